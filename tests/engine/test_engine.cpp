@@ -1,0 +1,265 @@
+// The example Llama engine (examples/llama): GGUF reading, tokenizer, forward pass.
+// Tests that need the model and texts read them from QEVICT_DATA_DIR and skip when it is absent.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../../examples/llama/generate.hpp"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path data_dir = QEVICT_DATA_DIR;
+
+bool have_data() {
+    if (fs::exists(data_dir / "stories260K.gguf")) return true;
+    MESSAGE("skipped: no model data at '" << data_dir.string() << "' (set QEVICT_DATA_DIR)");
+    return false;
+}
+
+std::string read_text(const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+// One model loaded for all tests in this program.
+const llama::model& stories() {
+    static const llama::model m = llama::model::load(data_dir / "stories260K.gguf");
+    return m;
+}
+
+// The reference file holds the 200 generated tokens' text followed by one end-of-file newline.
+std::string reference_greedy_text() {
+    std::string text = read_text(data_dir / "stories260K-greedy-from-bos-200.txt");
+    if (!text.empty() && text.back() == '\n') text.pop_back();
+    return text;
+}
+
+// ---- small synthetic GGUF files -----------------------------------------------------------------
+struct gguf_writer {
+    std::string bytes;
+    template <class T>
+    void put(T v) {
+        bytes.append(reinterpret_cast<const char*>(&v), sizeof v);
+    }
+    void str(const std::string& s) {
+        put<std::uint64_t>(s.size());
+        bytes += s;
+    }
+    void kv_string(const std::string& key, const std::string& value) {
+        str(key);
+        put<std::uint32_t>(8);
+        str(value);
+    }
+    void kv_u32(const std::string& key, std::uint32_t value) {
+        str(key);
+        put<std::uint32_t>(4);
+        put(value);
+    }
+};
+
+// A tiny but complete file: metadata of every scalar kind plus an array, one tensor of `type`.
+std::string tiny_gguf(std::uint32_t magic = 0x46554747, std::uint32_t version = 3, std::uint32_t type = 0,
+                      const std::string& arch = "llama") {
+    gguf_writer w;
+    w.put(magic);
+    w.put(version);
+    w.put<std::uint64_t>(1);  // tensors
+    w.put<std::uint64_t>(4);  // metadata
+    w.kv_string("general.architecture", arch);
+    w.kv_u32("general.alignment", 32);
+    w.str("test.floats");
+    w.put<std::uint32_t>(9);
+    w.put<std::uint32_t>(6);
+    w.put<std::uint64_t>(3);
+    for (float f : {1.f, 2.f, 3.f}) w.put(f);
+    w.str("test.flag");
+    w.put<std::uint32_t>(7);
+    w.put<std::uint8_t>(1);
+    w.str("x.weight");
+    w.put<std::uint32_t>(2);
+    w.put<std::uint64_t>(4);
+    w.put<std::uint64_t>(2);
+    w.put(type);
+    w.put<std::uint64_t>(0);
+    while (w.bytes.size() % 32) w.bytes += '\0';
+    for (int i = 0; i < 8; ++i) w.put(static_cast<float>(i));
+    return w.bytes;
+}
+
+fs::path write_temp(const std::string& name, const std::string& bytes) {
+    const fs::path dir = fs::temp_directory_path() / "qevict_test_engine";
+    fs::create_directories(dir);
+    const fs::path p = dir / name;
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+}
+
+template <class F>
+llama::load_errc error_of(F&& f) {
+    try {
+        f();
+    } catch (const llama::load_error& e) {
+        MESSAGE("load_error: " << std::string(e.what()));
+        return e.code();
+    }
+    FAIL("no load_error was thrown");
+    return {};
+}
+
+}  // namespace
+
+TEST_CASE("gguf: a well-formed file is read, metadata and tensor included") {
+    const auto f = llama::gguf::file::open(write_temp("good.gguf", tiny_gguf()));
+    CHECK(f.version() == 3);
+    CHECK(f.get_string("general.architecture") == "llama");
+    CHECK(f.get_int("general.alignment") == 32);
+    REQUIRE(f.get_array("test.floats").size() == 3);
+    CHECK(f.get_array("test.floats")[2].as_double() == 3.0);
+    CHECK(std::get<bool>(f.get("test.flag").data));
+    const auto& t = f.tensor("x.weight", {4, 2});
+    REQUIRE(t.data.size() == 8);
+    CHECK(t.data[7] == 7.f);
+}
+
+TEST_CASE("gguf: broken files give clear load errors") {
+    using llama::load_errc;
+    using llama::gguf::file;
+    CHECK(error_of([] { (void)file::open("/nonexistent/model.gguf"); }) == load_errc::missing_file);
+    CHECK(error_of([] { (void)file::open(write_temp("magic.gguf", tiny_gguf(0x12345678))); }) == load_errc::bad_magic);
+    CHECK(error_of([] { (void)file::open(write_temp("v2.gguf", tiny_gguf(0x46554747, 2))); }) ==
+          load_errc::unsupported_version);
+    CHECK(error_of([] { (void)file::open(write_temp("f16.gguf", tiny_gguf(0x46554747, 3, /*F16*/ 1))); }) ==
+          load_errc::unsupported_tensor_type);
+    const std::string good = tiny_gguf();
+    // Cut inside the tensor data, inside the tensor infos, and inside the metadata.
+    for (std::size_t keep : {good.size() - 4, std::size_t{200}, std::size_t{40}, std::size_t{6}}) {
+        CAPTURE(keep);
+        CHECK(error_of([&] { (void)file::open(write_temp("cut.gguf", good.substr(0, keep))); }) == load_errc::truncated);
+    }
+    CHECK(error_of([] { (void)file::open(write_temp("empty.gguf", "")); }) == load_errc::bad_magic);
+    CHECK(error_of([] { (void)file::open(write_temp("good.gguf", tiny_gguf())).tensor("y.weight", {4, 2}); }) ==
+          load_errc::missing_tensor);
+    CHECK(error_of([] { (void)file::open(write_temp("good.gguf", tiny_gguf())).tensor("x.weight", {2, 4}); }) ==
+          load_errc::bad_tensor_shape);
+}
+
+TEST_CASE("model: wrong architecture and incomplete models are refused") {
+    using llama::load_errc;
+    // The tiny file has no tokenizer: the architecture check must come first to be useful.
+    CHECK(error_of([] { (void)llama::model::load(write_temp("gpt2.gguf", tiny_gguf(0x46554747, 3, 0, "gpt2"))); }) ==
+          load_errc::unsupported_architecture);
+    CHECK(error_of([] { (void)llama::model::load(write_temp("good.gguf", tiny_gguf())); }) == load_errc::missing_key);
+    CHECK(error_of([] { (void)llama::model::load("/nonexistent/model.gguf"); }) == load_errc::missing_file);
+}
+
+TEST_CASE("model: stories260K hyperparameters come from the metadata") {
+    if (!have_data()) return;
+    const auto& p = stories().params();
+    CHECK(p.layers == 5);
+    CHECK(p.dim == 64);
+    CHECK(p.q_heads == 8);
+    CHECK(p.kv_heads == 4);
+    CHECK(p.head_dim == 8);
+    CHECK(p.ffn == 172);
+    CHECK(p.vocab == 512);
+    CHECK(p.rms_eps == doctest::Approx(1e-5));
+    CHECK(p.rope_theta == 10000.f);
+    CHECK(p.rope == llama::rope_layout::interleaved);
+}
+
+TEST_CASE("tokenizer: known pieces, byte fallback, and round trips of real text") {
+    if (!have_data()) return;
+    const auto& tok = stories().vocab();
+    CHECK(tok.bos() == 1);
+    CHECK(tok.eos() == 2);
+    CHECK(tok.decode(13) == "\n");  // <0x0A>
+    CHECK(tok.encode("").size() == 1);
+
+    const auto once = tok.encode("Once upon a time");
+    REQUIRE(once.size() >= 2);
+    CHECK(once.front() == 1);
+    CHECK(tok.decode(once) == "Once upon a time");
+    CHECK(tok.piece(once[1]).rfind("\xE2\x96\x81", 0) == 0);  // first piece carries the dummy prefix
+
+    // Characters outside the 512-piece vocabulary are spelled in bytes and come back intact.
+    const std::string unicode = "caf\xC3\xA9 \xE2\x9C\x93 \xF0\x9F\x98\x80 {tab}\t~";
+    CHECK(tok.decode(tok.encode(unicode)) == unicode);
+    CHECK(tok.encode("\xC3\xA9", false).size() == 2);  // 'é' is a piece: '▁', 'é'
+    CHECK(tok.encode("\xC3\xBC", false).size() == 3);  // 'ü' is not: '▁' + two byte tokens
+
+    const std::string text = read_text(data_dir / "tinystories-lowercase.txt").substr(0, 200000);
+    const auto ids = tok.encode(text);
+    CHECK(ids.size() < text.size() * 6 / 10);  // merges happen: about 2 characters per token with 512 pieces
+    CHECK(tok.decode(ids) == text);
+    // Story by story too: each starts a fresh dummy prefix.
+    std::size_t begin = 0, stories_checked = 0;
+    while (stories_checked < 50) {
+        const auto end = text.find("\n\n", begin);
+        if (end == std::string::npos) break;
+        const std::string story = text.substr(begin, end - begin);
+        CHECK(tok.decode(tok.encode(story)) == story);
+        begin = end + 2;
+        ++stories_checked;
+    }
+    CHECK(stories_checked > 5);
+}
+
+TEST_CASE("engine: greedy generation from BOS with the dense cache equals the reference text") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    llama::dense_cache cache(m.params().attention(), 1024);
+    const std::vector<llama::token_id> prompt{m.vocab().bos()};
+    const auto tokens = llama::generate_greedy(m, cache, prompt, {.max_new_tokens = 200});
+    CHECK(tokens.size() == 200);
+    CHECK(m.vocab().decode(tokens) == reference_greedy_text());
+    // The model writes canonical tokenizations: encoding the reference text gives back its tokens.
+    auto encoded = m.vocab().encode(reference_greedy_text());
+    REQUIRE(encoded.size() == tokens.size() + 1);
+    CHECK(std::equal(tokens.begin(), tokens.end(), encoded.begin() + 1));
+}
+
+TEST_CASE("engine: a prefill of many tokens equals decoding them one by one") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    const auto prompt = m.vocab().encode("Once upon a time, there was a little dog named Max. He liked to run.");
+    llama::dense_cache batched(m.params().attention(), 1024), stepwise(m.params().attention(), 1024);
+    const auto all = m.prefill(prompt, batched, /*all_logits*/ true);
+    std::vector<float> last = m.prefill(std::span(prompt).first(1), stepwise);
+    for (std::size_t i = 1; i < prompt.size(); ++i) last = m.decode(prompt[i], stepwise);
+    const std::size_t vocab = m.params().vocab;
+    REQUIRE(all.size() == prompt.size() * vocab);
+    for (std::size_t i = 0; i < vocab; ++i) CHECK(all[(prompt.size() - 1) * vocab + i] == doctest::Approx(last[i]).epsilon(1e-4));
+    CHECK(batched.tokens() == prompt.size());
+    CHECK(batched.kv_bytes() == prompt.size() * 5 * 2 * 4 * 8 * sizeof(float));
+}
+
+TEST_CASE("engine: recorded attention probabilities are distributions over the cached tokens") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    llama::dense_cache cache(m.params().attention(), 1024);
+    cache.record_probabilities(true);
+    const auto prompt = m.vocab().encode("Lily saw a cat.");
+    auto logits = m.prefill(prompt, cache);
+    (void)m.decode(llama::argmax(logits), cache);
+    for (std::size_t l = 0; l < m.params().layers; ++l) {
+        const auto p = cache.probabilities(l);
+        REQUIRE(p.size() == m.params().q_heads * (prompt.size() + 1));
+        for (std::size_t h = 0; h < m.params().q_heads; ++h) {
+            double sum = 0;
+            for (std::size_t t = 0; t <= prompt.size(); ++t) sum += p[h * (prompt.size() + 1) + t];
+            CHECK(sum == doctest::Approx(1.0));
+        }
+    }
+}
