@@ -1,0 +1,669 @@
+#pragma once
+// The host backend: the whole algorithm in plain, scalar C++. It is a real backend for CPU
+// engines and the oracle every other backend is tested against, so it favours clarity and
+// accuracy (double accumulation) over speed.
+//
+// Memory: one arena, cut into one region per (sequence slot, layer) by region_plan. A region
+// holds the window table, the sink tokens, the recent region (a ring), the Full pool and the
+// quantized pool (the ledger). Nothing is allocated after construction.
+//
+// Token storage inside a block of capacity C (sinks, recent ring, one Full window):
+//   for each KV head h: keys [C][head_dim], then values [C][head_dim], in the element type.
+// Keys are stored after RoPE (so attention over full-precision tokens is a plain dot product);
+// the quantized records hold keys before RoPE.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "qevict/core/layout.hpp"
+#include "qevict/core/report.hpp"
+#include "qevict/core/routing.hpp"
+
+namespace qevict {
+
+using sequence_id = std::int32_t;
+
+/// One attended token, as the optional attend() observer sees it.
+struct attention_event {
+  int batch_index = 0;  ///< position of the sequence in the attend() call
+  int token = 0;        ///< token index in the sequence (0 = first token)
+  int window = -1;      ///< window index, or -1 for a sink token
+  tier where = tier::sink;
+  double probability = 0.0;  ///< attention probability averaged over query heads
+};
+
+/// The observer used when none is given.
+struct no_observer {
+  void operator()(const attention_event&) const {}
+};
+
+namespace backend {
+
+template <class Config>
+class host_cache;
+
+/// Backend tag: scalar host code.
+struct host {
+  static constexpr const char* name = "host";
+  template <class Config>
+  using engine = host_cache<Config>;
+};
+
+template <class Config>
+class host_cache {
+  using quantizer = typename Config::quantizer;
+  using scorer = typename Config::scorer;
+  using rope = typename Config::rope;
+
+ public:
+  host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
+             std::size_t external_bytes)
+      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim)) {
+    detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
+    const std::size_t need = required_bytes();
+    if (external != nullptr) {
+      detail::require(external_bytes >= need, "external storage of " + std::to_string(external_bytes) +
+                                                  " bytes is smaller than the " + std::to_string(need) + " bytes required");
+      detail::require(reinterpret_cast<std::uintptr_t>(external) % 16 == 0, "external storage must be 16-byte aligned");
+      arena_ = external;
+    } else {
+      owned_.resize(need);
+      arena_ = owned_.data();
+    }
+    inv_freq_ = rope::inverse_frequencies(g.rope, g.head_dim);
+    lanes_.resize(static_cast<std::size_t>(lim.max_batch) * g.layers);
+    for (auto& lane : lanes_) {
+      lane.free_full.reserve(plan_.caps.full);
+      lane.free_ledger.reserve(plan_.caps.quantized);
+    }
+    sequences_.resize(static_cast<std::size_t>(lim.max_batch));
+    const std::size_t d = static_cast<std::size_t>(g.head_dim);
+    const std::size_t max_access = static_cast<std::size_t>(plan_.sinks) +
+                                   (plan_.caps.full + plan_.caps.quantized) * plan_.window +
+                                   static_cast<std::size_t>(plan_.recent_capacity);
+    keys_.resize(max_access * d);
+    values_.resize(max_access * d);
+    logits_.resize(max_access);
+    token_mass_.resize(max_access);
+    token_index_.resize(max_access);
+    window_mass_.resize(static_cast<std::size_t>(plan_.max_windows) + 1);
+    query_.resize(d);
+    head_out_.resize(d);
+    const std::size_t window_floats = static_cast<std::size_t>(plan_.window) * g.kv_heads * d;
+    window_keys_.resize(window_floats);
+    window_values_.resize(window_floats);
+    candidates_.resize(static_cast<std::size_t>(plan_.max_windows));
+  }
+
+  // ---- sizes -------------------------------------------------------------------------------
+  const region_plan& plan() const { return plan_; }
+  const geometry& geo() const { return geo_; }
+  const limits& lim() const { return lim_; }
+  const options& opts() const { return opt_; }
+  std::size_t required_bytes() const {
+    return plan_.region_bytes * static_cast<std::size_t>(lim_.max_batch) * static_cast<std::size_t>(geo_.layers);
+  }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  sequence_id add_sequence(long long first_position) {
+    for (std::size_t s = 0; s < sequences_.size(); ++s) {
+      if (!sequences_[s].active) {
+        sequences_[s] = sequence{true, first_position};
+        for (int l = 0; l < geo_.layers; ++l) reset_lane(static_cast<int>(s), l);
+        return static_cast<sequence_id>(s);
+      }
+    }
+    throw error("add_sequence: all " + std::to_string(lim_.max_batch) + " sequence slots (limits::max_batch) are in use");
+  }
+  void remove_sequence(sequence_id s) { sequences_[static_cast<std::size_t>(s)].active = false; }
+  bool is_active(sequence_id s) const {
+    return s >= 0 && static_cast<std::size_t>(s) < sequences_.size() && sequences_[static_cast<std::size_t>(s)].active;
+  }
+  int tokens(sequence_id s, int layer) const { return lane_of(s, layer).tokens; }
+  long long first_position(sequence_id s) const { return sequences_[static_cast<std::size_t>(s)].first_position; }
+  /// Whether an append to (s, layer) needs a routing event first to make room in the recent ring.
+  bool recent_full(sequence_id s, int layer) const {
+    const lane_state& lane = lane_of(s, layer);
+    return lane.tokens >= plan_.sinks && recent_count(lane) >= plan_.recent_capacity;
+  }
+
+  // ---- prefill -----------------------------------------------------------------------------
+  /// Inputs were validated by cache<>: the lane is empty, shapes match, values are finite.
+  void prefill(int layer, sequence_id s, const float* q, const float* k, const float* v, float* out, int n) {
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, hq = geo_.q_heads;
+    const std::size_t krow = static_cast<std::size_t>(hkv) * d, qrow = static_cast<std::size_t>(hq) * d;
+    const long long p0 = first_position(s);
+    // RoPE on copies of the prompt's keys and queries.
+    prefill_keys_.assign(k, k + static_cast<std::size_t>(n) * krow);
+    prefill_queries_.assign(q, q + static_cast<std::size_t>(n) * qrow);
+    for (int i = 0; i < n; ++i) {
+      for (int h = 0; h < hkv; ++h) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_keys_[i * krow + h * d], p0 + i);
+      for (int h = 0; h < hq; ++h) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_queries_[i * qrow + h * d], p0 + i);
+    }
+    // Exact causal attention over the prompt; the last `observation_window` queries score windows.
+    const int first_observer = std::max(0, n - opt_.observation_window);
+    std::vector<double> mass(static_cast<std::size_t>(plan_.max_windows) + 1, 0.0);
+    std::vector<double> logits(static_cast<std::size_t>(n));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const int group = hq / hkv;
+    for (int i = 0; i < n; ++i) {
+      for (int h = 0; h < hq; ++h) {
+        const int kvh = h / group;
+        const float* qi = &prefill_queries_[i * qrow + h * d];
+        double m = -INFINITY;
+        for (int j = 0; j <= i; ++j) {
+          const float* kj = &prefill_keys_[j * krow + kvh * d];
+          double dot = 0.0;
+          for (int c = 0; c < d; ++c) dot += static_cast<double>(qi[c]) * kj[c];
+          logits[static_cast<std::size_t>(j)] = dot * scale;
+          m = std::max(m, logits[static_cast<std::size_t>(j)]);
+        }
+        double sum = 0.0;
+        for (int j = 0; j <= i; ++j) sum += (logits[static_cast<std::size_t>(j)] = std::exp(logits[static_cast<std::size_t>(j)] - m));
+        for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] = 0.0;
+        for (int j = 0; j <= i; ++j) {
+          const double p = logits[static_cast<std::size_t>(j)] / sum;
+          const float* vj = &v[j * krow + kvh * d];
+          for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vj[c];
+          if (i >= first_observer && j >= plan_.sinks) mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window)] += p / hq;
+        }
+        for (int c = 0; c < d; ++c) out[i * qrow + h * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
+      }
+    }
+    // Place the tokens: sinks, then the recent ring, then route the aged windows.
+    lane_state& lane = lane_of(s, layer);
+    std::byte* region = region_of(s, layer);
+    window_record* table = table_of(region);
+    for (int w = 0; w < windows_started(n); ++w)
+      table[w].score = scorer::accumulate(table[w].score, static_cast<float>(mass[static_cast<std::size_t>(w)]));
+    lane.tokens = n;
+    const int aged_after = aged_windows_for(n);
+    for (int i = 0; i < n; ++i) {
+      if (i < plan_.sinks || i >= plan_.sinks + aged_after * plan_.window)
+        store_token(region, lane, i, &prefill_keys_[i * krow], &v[i * krow]);
+    }
+    route_lane(s, layer, [&](int w, float* kw, float* vw) {
+      const std::size_t first = static_cast<std::size_t>(plan_.sinks + w * plan_.window);
+      std::copy_n(&prefill_keys_[first * krow], static_cast<std::size_t>(plan_.window) * krow, kw);
+      std::copy_n(&v[first * krow], static_cast<std::size_t>(plan_.window) * krow, vw);
+    });
+  }
+
+  // ---- decode ------------------------------------------------------------------------------
+  /// Appends one token (pre-RoPE key, value: [kv_heads][head_dim]) to (s, layer).
+  void append(int layer, sequence_id s, const float* k_pre, const float* v) {
+    if (recent_full(s, layer)) route_lane(s, layer, recent_source(s, layer));
+    lane_state& lane = lane_of(s, layer);
+    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+    const std::size_t row = static_cast<std::size_t>(hkv) * d;
+    std::copy_n(k_pre, row, window_keys_.data());
+    for (int h = 0; h < hkv; ++h)
+      rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &window_keys_[static_cast<std::size_t>(h) * d],
+                   first_position(s) + lane.tokens);
+    store_token(region_of(s, layer), lane, lane.tokens, window_keys_.data(), v);
+    ++lane.tokens;
+  }
+
+  /// Attention of one query (pre-RoPE, [q_heads][head_dim]) at the sequence's newest position.
+  template <class Observer>
+  void attend(int layer, sequence_id s, int batch_index, const float* q_pre, float* out, Observer&& observe) {
+    lane_state& lane = lane_of(s, layer);
+    std::byte* region = region_of(s, layer);
+    window_record* table = table_of(region);
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, hq = geo_.q_heads, group = hq / hkv;
+    const long long position = first_position(s) + lane.tokens - 1;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    std::fill(token_mass_.begin(), token_mass_.end(), 0.0);
+    int count = 0;
+    for (int h = 0; h < hkv; ++h) {
+      count = gather_head(s, layer, h);
+      for (int g = 0; g < group; ++g) {
+        const int qh = h * group + g;
+        for (int c = 0; c < d; ++c) query_[static_cast<std::size_t>(c)] = q_pre[qh * d + c];
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, query_.data(), position);
+        double m = -INFINITY;
+        for (int t = 0; t < count; ++t) {
+          const double* kt = &keys_[static_cast<std::size_t>(t) * d];
+          double dot = 0.0;
+          for (int c = 0; c < d; ++c) dot += query_[static_cast<std::size_t>(c)] * kt[c];
+          logits_[static_cast<std::size_t>(t)] = dot * scale;
+          m = std::max(m, logits_[static_cast<std::size_t>(t)]);
+        }
+        double sum = 0.0;
+        for (int t = 0; t < count; ++t) sum += (logits_[static_cast<std::size_t>(t)] = std::exp(logits_[static_cast<std::size_t>(t)] - m));
+        std::fill(head_out_.begin(), head_out_.end(), 0.0);
+        for (int t = 0; t < count; ++t) {
+          const double p = logits_[static_cast<std::size_t>(t)] / sum;
+          token_mass_[static_cast<std::size_t>(t)] += p / hq;
+          const double* vt = &values_[static_cast<std::size_t>(t) * d];
+          for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vt[c];
+        }
+        for (int c = 0; c < d; ++c) out[qh * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
+      }
+    }
+    // Window mass: the step's probability summed over each window's tokens, averaged over heads.
+    const int touched = windows_started(lane.tokens);
+    std::fill_n(window_mass_.begin(), touched, 0.0);
+    for (int t = 0; t < count; ++t) {
+      const int i = token_index_[static_cast<std::size_t>(t)];
+      const int w = i < plan_.sinks ? -1 : (i - plan_.sinks) / plan_.window;
+      if (w >= 0) window_mass_[static_cast<std::size_t>(w)] += token_mass_[static_cast<std::size_t>(t)];
+      observe(attention_event{batch_index, i, w, where_is(lane, table, i), token_mass_[static_cast<std::size_t>(t)]});
+    }
+    for (int w = 0; w < touched; ++w) {
+      if (tier_of(table[w], w < lane.aged) != tier::evicted)
+        table[w].score = scorer::accumulate(table[w].score, static_cast<float>(window_mass_[static_cast<std::size_t>(w)]));
+    }
+    ++lane.steps_since_route;
+    if (opt_.routing == routing_mode::automatic && lane.steps_since_route >= Config::routing_interval)
+      route_lane(s, layer, recent_source(s, layer));
+  }
+
+  /// A routing event for (s, layer) now (Algorithm 1).
+  void route(sequence_id s, int layer) { route_lane(s, layer, recent_source(s, layer)); }
+
+  // ---- introspection -----------------------------------------------------------------------
+  std::vector<window_info> windows(sequence_id s, int layer) const {
+    const lane_state& lane = lane_of(s, layer);
+    const window_record* table = table_of(region_of(s, layer));
+    std::vector<window_info> out;
+    for (int w = 0; w < windows_started(lane.tokens); ++w) {
+      out.push_back(window_info{w, window_first_position(s, w), tier_of(table[w], w < lane.aged), table[w].score,
+                                table[w].ledger_slot >= 0});
+    }
+    return out;
+  }
+
+  tier_counts counts(sequence_id s, int layer) const {
+    const lane_state& lane = lane_of(s, layer);
+    const window_record* table = table_of(region_of(s, layer));
+    tier_counts c;
+    c.sink_tokens = static_cast<std::size_t>(std::min(lane.tokens, plan_.sinks));
+    c.recent_tokens = static_cast<std::size_t>(recent_count(lane));
+    for (int w = 0; w < lane.aged; ++w) {
+      switch (tier_of(table[w], true)) {
+        case tier::full: ++c.full; c.ledger_copies += table[w].ledger_slot >= 0 ? 1u : 0u; break;
+        case tier::quantized: ++c.quantized; break;
+        default: ++c.evicted; break;
+      }
+    }
+    return c;
+  }
+
+  budget_report report() const {
+    budget_report r;
+    r.caps = plan_.caps;
+    r.budget_per_sequence_layer = plan_.budget_bytes;
+    r.full_window_bytes = plan_.full_window_bytes;
+    r.quantized_window_bytes = plan_.quantized_window_bytes();
+    r.layers.resize(static_cast<std::size_t>(geo_.layers));
+    for (std::size_t s = 0; s < sequences_.size(); ++s) {
+      if (!sequences_[s].active) continue;
+      ++r.sequences;
+      for (int l = 0; l < geo_.layers; ++l) {
+        layer_report& lr = r.layers[static_cast<std::size_t>(l)];
+        const tier_counts c = counts(static_cast<sequence_id>(s), l);
+        lr.counts += c;
+        lr.used.sink += c.sink_tokens * plan_.token_bytes;
+        lr.used.recent += c.recent_tokens * plan_.token_bytes;
+        lr.used.full += c.full * plan_.full_window_bytes;
+        lr.used.quantized_codes += c.quantized * plan_.record.code_bytes();
+        lr.used.quantized_metadata += c.quantized * plan_.record.metadata_bytes();
+        lr.used.ledger_copies += c.ledger_copies * plan_.quantized_window_bytes();
+        lr.used.tables += plan_.table_bytes();
+        lr.reserved += plan_.reserved();
+        lr.budget_bytes += plan_.budget_bytes;
+        lr.full_cache_bytes += static_cast<std::size_t>(lane_of(static_cast<sequence_id>(s), l).tokens) * plan_.token_bytes;
+      }
+    }
+    return r;
+  }
+
+  /// Keys (after RoPE) and values of window w exactly as attention sees them, each
+  /// [window][kv_heads][head_dim]. Throws for an evicted window.
+  void read_window(sequence_id s, int layer, int w, float* k_post, float* v) const {
+    const lane_state& lane = lane_of(s, layer);
+    const std::byte* region = region_of(s, layer);
+    const window_record& rec = table_of(region)[w];
+    const tier t = tier_of(rec, w < lane.aged);
+    detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
+    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+    for (int t_ = 0; t_ < plan_.window; ++t_) {
+      const int i = plan_.sinks + w * plan_.window + t_;
+      for (int h = 0; h < hkv; ++h) {
+        float* kd = k_post + (static_cast<std::size_t>(t_) * hkv + h) * d;
+        float* vd = v + (static_cast<std::size_t>(t_) * hkv + h) * d;
+        if (t == tier::full) {
+          const block b = full_block(region, rec.full_slot);
+          for (int c = 0; c < d; ++c) { kd[c] = b.key(h, t_, c); vd[c] = b.value(h, t_, c); }
+        } else if (t == tier::quantized) {
+          const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
+          quantizer::dequantize_key(plan_.record, r, h, t_, kd);
+          quantizer::dequantize_value(plan_.record, r, h, t_, vd);
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + t_);
+        } else {
+          detail::require(i < lane.tokens, "read_window: window " + std::to_string(w) + " is not complete yet");
+          const block b = recent_block(region);
+          const int slot = (i - plan_.sinks) % plan_.recent_capacity;
+          for (int c = 0; c < d; ++c) { kd[c] = b.key(h, slot, c); vd[c] = b.value(h, slot, c); }
+        }
+      }
+    }
+  }
+
+  /// The ledger record of window w (empty when it has none).
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+    const std::byte* region = region_of(s, layer);
+    const window_record& rec = table_of(region)[w];
+    if (rec.ledger_slot < 0) return {};
+    return {ledger_of(region, rec.ledger_slot), plan_.quantized_window_bytes()};
+  }
+
+  /// Replace window w's cumulative score (for external importance signals and experiments).
+  void set_score(sequence_id s, int layer, int w, float score) { table_of(region_of(s, layer))[w].score = score; }
+
+  int windows_started(int tokens) const {
+    return tokens > plan_.sinks ? (tokens - plan_.sinks + plan_.window - 1) / plan_.window : 0;
+  }
+  int aged(sequence_id s, int layer) const { return lane_of(s, layer).aged; }
+
+ private:
+  struct sequence {
+    bool active = false;
+    long long first_position = 0;
+  };
+  struct lane_state {
+    int tokens = 0;             ///< tokens appended to this (sequence, layer)
+    int aged = 0;               ///< windows that have left the recent region
+    int steps_since_route = 0;  ///< attend() calls since the last routing event
+    std::vector<std::int32_t> free_full, free_ledger;
+  };
+
+  /// A block of token rows in the element type: [kv_heads][keys C | values C][head_dim].
+  struct block {
+    const void* base;
+    int capacity, head_dim;
+    element_type e;
+    std::size_t key_index(int h, int slot, int c) const {
+      return (static_cast<std::size_t>(2 * h) * capacity + slot) * head_dim + c;
+    }
+    std::size_t value_index(int h, int slot, int c) const {
+      return (static_cast<std::size_t>(2 * h + 1) * capacity + slot) * head_dim + c;
+    }
+    float key(int h, int slot, int c) const { return numeric::load(e, base, key_index(h, slot, c)); }
+    float value(int h, int slot, int c) const { return numeric::load(e, base, value_index(h, slot, c)); }
+    void put(int h, int slot, const float* k, const float* v) const {
+      void* b = const_cast<void*>(base);
+      for (int c = 0; c < head_dim; ++c) {
+        numeric::store(e, b, key_index(h, slot, c), k[c]);
+        numeric::store(e, b, value_index(h, slot, c), v[c]);
+      }
+    }
+  };
+
+  lane_state& lane_of(sequence_id s, int layer) { return lanes_[static_cast<std::size_t>(s) * geo_.layers + layer]; }
+  const lane_state& lane_of(sequence_id s, int layer) const {
+    return lanes_[static_cast<std::size_t>(s) * geo_.layers + layer];
+  }
+  std::byte* region_of(sequence_id s, int layer) {
+    return arena_ + (static_cast<std::size_t>(s) * geo_.layers + layer) * plan_.region_bytes;
+  }
+  const std::byte* region_of(sequence_id s, int layer) const {
+    return arena_ + (static_cast<std::size_t>(s) * geo_.layers + layer) * plan_.region_bytes;
+  }
+  static window_record* table_of(std::byte* region) { return reinterpret_cast<window_record*>(region); }
+  static const window_record* table_of(const std::byte* region) { return reinterpret_cast<const window_record*>(region); }
+  block sink_block(const std::byte* region) const {
+    return block{region + plan_.sink_offset, plan_.sinks, geo_.head_dim, geo_.element};
+  }
+  block recent_block(const std::byte* region) const {
+    return block{region + plan_.recent_offset, plan_.recent_capacity, geo_.head_dim, geo_.element};
+  }
+  block full_block(const std::byte* region, int slot) const {
+    return block{region + plan_.full_offset + static_cast<std::size_t>(slot) * plan_.full_window_bytes, plan_.window,
+                 geo_.head_dim, geo_.element};
+  }
+  std::uint8_t* ledger_of(std::byte* region, int slot) const {
+    return reinterpret_cast<std::uint8_t*>(region + plan_.ledger_offset + static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
+  }
+  const std::uint8_t* ledger_of(const std::byte* region, int slot) const {
+    return reinterpret_cast<const std::uint8_t*>(region + plan_.ledger_offset +
+                                                 static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
+  }
+
+  long long window_first_position(sequence_id s, int w) const {
+    return first_position(s) + plan_.sinks + static_cast<long long>(w) * plan_.window;
+  }
+  /// Complete windows whose tokens are all older than the newest `recent` tokens.
+  int aged_windows_for(int tokens) const {
+    const int span = tokens - plan_.sinks - plan_.recent;
+    return span > 0 ? span / plan_.window : 0;
+  }
+  int recent_count(const lane_state& lane) const {
+    return std::max(0, lane.tokens - plan_.sinks - lane.aged * plan_.window);
+  }
+  tier where_is(const lane_state& lane, const window_record* table, int i) const {
+    if (i < plan_.sinks) return tier::sink;
+    const int w = (i - plan_.sinks) / plan_.window;
+    return tier_of(table[w], w < lane.aged);
+  }
+
+  void reset_lane(int s, int layer) {
+    lane_state& lane = lane_of(s, layer);
+    lane.tokens = lane.aged = lane.steps_since_route = 0;
+    lane.free_full.clear();
+    lane.free_ledger.clear();
+    for (int i = static_cast<int>(plan_.caps.full) - 1; i >= 0; --i) lane.free_full.push_back(i);
+    for (int i = static_cast<int>(plan_.caps.quantized) - 1; i >= 0; --i) lane.free_ledger.push_back(i);
+    window_record* table = table_of(region_of(s, layer));
+    for (int w = 0; w < plan_.max_windows; ++w) table[w] = window_record{};
+  }
+
+  /// Stores token i (post-RoPE key, value; [kv_heads][head_dim]) in the sinks or the recent ring.
+  void store_token(std::byte* region, const lane_state&, int i, const float* k_post, const float* v) {
+    const int d = geo_.head_dim;
+    const block b = i < plan_.sinks ? sink_block(region) : recent_block(region);
+    const int slot = i < plan_.sinks ? i : (i - plan_.sinks) % plan_.recent_capacity;
+    for (int h = 0; h < geo_.kv_heads; ++h) b.put(h, slot, k_post + h * d, v + h * d);
+  }
+
+  /// Copies the accessible keys (post-RoPE) and values of KV head h into keys_/values_ in token
+  /// order: sinks, aged Full and Quantized windows, recent region. Returns the count.
+  int gather_head(sequence_id s, int layer, int h) {
+    const lane_state& lane = lane_of(s, layer);
+    const std::byte* region = region_of(s, layer);
+    const window_record* table = table_of(region);
+    const int d = geo_.head_dim;
+    int n = 0;
+    auto push = [&](int token, auto&& key_of, auto&& value_of) {
+      for (int c = 0; c < d; ++c) {
+        keys_[static_cast<std::size_t>(n) * d + c] = key_of(c);
+        values_[static_cast<std::size_t>(n) * d + c] = value_of(c);
+      }
+      token_index_[static_cast<std::size_t>(n)] = token;
+      ++n;
+    };
+    const block sinks = sink_block(region);
+    for (int i = 0; i < std::min(lane.tokens, plan_.sinks); ++i)
+      push(i, [&](int c) { return sinks.key(h, i, c); }, [&](int c) { return sinks.value(h, i, c); });
+    float kq[512], vq[512];  // one quantized token's head vector (head_dim <= 512)
+    double kr[512];
+    for (int w = 0; w < lane.aged; ++w) {
+      const window_record& rec = table[w];
+      const tier t = tier_of(rec, true);
+      const int first = plan_.sinks + w * plan_.window;
+      if (t == tier::full) {
+        const block b = full_block(region, rec.full_slot);
+        for (int j = 0; j < plan_.window; ++j)
+          push(first + j, [&](int c) { return b.key(h, j, c); }, [&](int c) { return b.value(h, j, c); });
+      } else if (t == tier::quantized) {
+        const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
+        for (int j = 0; j < plan_.window; ++j) {
+          quantizer::dequantize_key(plan_.record, r, h, j, kq);
+          quantizer::dequantize_value(plan_.record, r, h, j, vq);
+          for (int c = 0; c < d; ++c) kr[c] = kq[c];
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
+          push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
+        }
+      }
+    }
+    const block recent = recent_block(region);
+    for (int i = plan_.sinks + lane.aged * plan_.window; i < lane.tokens; ++i) {
+      const int slot = (i - plan_.sinks) % plan_.recent_capacity;
+      push(i, [&](int c) { return recent.key(h, slot, c); }, [&](int c) { return recent.value(h, slot, c); });
+    }
+    return n;
+  }
+
+  /// The source of a newly aged window's tokens during decode: the recent ring.
+  auto recent_source(sequence_id s, int layer) {
+    return [this, s, layer](int w, float* kw, float* vw) {
+      const std::byte* region = region_of(s, layer);
+      const block b = recent_block(region);
+      const int d = geo_.head_dim, hkv = geo_.kv_heads;
+      for (int j = 0; j < plan_.window; ++j) {
+        const int slot = (plan_.sinks + w * plan_.window + j - plan_.sinks) % plan_.recent_capacity;
+        for (int h = 0; h < hkv; ++h)
+          for (int c = 0; c < d; ++c) {
+            kw[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.key(h, slot, c);
+            vw[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.value(h, slot, c);
+          }
+      }
+    };
+  }
+
+  /// Quantizes window w from post-RoPE keys and values ([window][kv_heads][head_dim]) into a
+  /// new ledger record. The keys are rotated back to their pre-RoPE frame first.
+  void quantize_into_ledger(sequence_id s, std::byte* region, lane_state& lane, window_record& rec, int w,
+                            float* k_post, const float* v) {
+    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+    for (int j = 0; j < plan_.window; ++j)
+      for (int h = 0; h < hkv; ++h)
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, k_post + (static_cast<std::size_t>(j) * hkv + h) * d,
+                     window_first_position(s, w) + j, -1);
+    rec.ledger_slot = lane.free_ledger.back();
+    lane.free_ledger.pop_back();
+    quantizer::quantize(plan_.record, k_post, v, ledger_of(region, rec.ledger_slot));
+  }
+
+  void store_full(std::byte* region, lane_state& lane, window_record& rec, const float* k_post, const float* v) {
+    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+    rec.full_slot = lane.free_full.back();
+    lane.free_full.pop_back();
+    const block b = full_block(region, rec.full_slot);
+    for (int j = 0; j < plan_.window; ++j)
+      for (int h = 0; h < hkv; ++h)
+        b.put(h, j, k_post + (static_cast<std::size_t>(j) * hkv + h) * d, v + (static_cast<std::size_t>(j) * hkv + h) * d);
+  }
+
+  void load_full(const std::byte* region, const window_record& rec, float* k_post, float* v) const {
+    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+    const block b = full_block(region, rec.full_slot);
+    for (int j = 0; j < plan_.window; ++j)
+      for (int h = 0; h < hkv; ++h)
+        for (int c = 0; c < d; ++c) {
+          k_post[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.key(h, j, c);
+          v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.value(h, j, c);
+        }
+  }
+
+  /// Algorithm 1 for one (sequence, layer). `source(w, k_post, v)` yields the tokens of a window
+  /// that is aging out of the recent region now.
+  template <class Source>
+  void route_lane(sequence_id s, int layer, Source&& source) {
+    lane_state& lane = lane_of(s, layer);
+    std::byte* region = region_of(s, layer);
+    window_record* table = table_of(region);
+    const int aged_before = lane.aged;
+    const int aged_after = std::max(aged_before, aged_windows_for(lane.tokens));
+
+    // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged windows.
+    std::size_t n = 0;
+    for (int w = 0; w < aged_after; ++w) {
+      const tier t = tier_of(table[w], w < aged_before);
+      if (t == tier::evicted) continue;
+      candidates_[n++] = routing_candidate{w, table[w].score, table[w].ledger_slot >= 0, tier::evicted};
+    }
+    assign_tiers(std::span(candidates_.data(), n), plan_.caps);
+
+    // Migrations, frees before allocations so that every pool stays within its capacity.
+    float* kw = window_keys_.data();
+    float* vw = window_values_.data();
+    auto previous = [&](const routing_candidate& c) { return tier_of(table[c.window], c.window < aged_before); };
+    for (std::size_t i = 0; i < n; ++i) {  // 1. evict
+      window_record& rec = table[candidates_[i].window];
+      if (candidates_[i].next != tier::evicted) continue;
+      if (rec.full_slot >= 0) lane.free_full.push_back(rec.full_slot);
+      if (rec.ledger_slot >= 0) lane.free_ledger.push_back(rec.ledger_slot);
+      rec.full_slot = rec.ledger_slot = -1;
+    }
+    for (std::size_t i = 0; i < n; ++i) {  // 2. demote Full → Quantized (quantize only the first time)
+      const routing_candidate& c = candidates_[i];
+      window_record& rec = table[c.window];
+      if (c.next != tier::quantized || previous(c) != tier::full) continue;
+      if (rec.ledger_slot < 0) {
+        load_full(region, rec, kw, vw);
+        quantize_into_ledger(s, region, lane, rec, c.window, kw, vw);
+      }
+      lane.free_full.push_back(rec.full_slot);
+      rec.full_slot = -1;
+    }
+    for (std::size_t i = 0; i < n; ++i) {  // 3. newly aged → Quantized
+      const routing_candidate& c = candidates_[i];
+      if (c.next != tier::quantized || previous(c) != tier::recent) continue;
+      source(c.window, kw, vw);
+      quantize_into_ledger(s, region, lane, table[c.window], c.window, kw, vw);
+    }
+    for (std::size_t i = 0; i < n; ++i) {  // 4. promote Quantized → Full (dequantize, re-apply RoPE)
+      const routing_candidate& c = candidates_[i];
+      window_record& rec = table[c.window];
+      if (c.next != tier::full || previous(c) != tier::quantized) continue;
+      const int d = geo_.head_dim, hkv = geo_.kv_heads;
+      const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
+      for (int j = 0; j < plan_.window; ++j)
+        for (int h = 0; h < hkv; ++h) {
+          float* kd = kw + (static_cast<std::size_t>(j) * hkv + h) * d;
+          quantizer::dequantize_key(plan_.record, r, h, j, kd);
+          quantizer::dequantize_value(plan_.record, r, h, j, vw + (static_cast<std::size_t>(j) * hkv + h) * d);
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, c.window) + j);
+        }
+      store_full(region, lane, rec, kw, vw);
+    }
+    for (std::size_t i = 0; i < n; ++i) {  // 5. newly aged → Full
+      const routing_candidate& c = candidates_[i];
+      if (c.next != tier::full || previous(c) != tier::recent) continue;
+      source(c.window, kw, vw);
+      store_full(region, lane, table[c.window], kw, vw);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      window_record& rec = table[candidates_[i].window];
+      rec.score = scorer::after_routing(rec.score);
+    }
+    lane.aged = aged_after;
+    lane.steps_since_route = 0;
+  }
+
+  geometry geo_;
+  limits lim_;
+  options opt_;
+  region_plan plan_;
+  std::vector<double> inv_freq_;
+  std::vector<std::byte> owned_;
+  std::byte* arena_ = nullptr;
+  std::vector<lane_state> lanes_;
+  std::vector<sequence> sequences_;
+  // Scratch, sized at construction.
+  std::vector<double> keys_, values_, logits_, token_mass_, window_mass_, query_, head_out_;
+  std::vector<int> token_index_;
+  std::vector<float> window_keys_, window_values_;
+  std::vector<routing_candidate> candidates_;
+  std::vector<float> prefill_keys_, prefill_queries_;
+};
+
+}  // namespace backend
+}  // namespace qevict

@@ -1,0 +1,276 @@
+#pragma once
+// qevict::cache — the integrator's entry point.
+//
+//   using cfg = qevict::config<>;   // the paper's policies; see config.hpp
+//   qevict::cache<cfg> kv(geometry, qevict::budget::fraction(0.20), qevict::limits{.max_batch = 8, .max_tokens = 32768});
+//   auto seq = kv.add_sequence();
+//   for each layer: kv.prefill(layer, seq, q, k, v, out);          // whole prompt, pre-RoPE q/k
+//   each decode step, for each layer:
+//     kv.append(layer, seqs, k, v);                                  // new tokens, pre-RoPE keys
+//     kv.attend(layer, seqs, q, out);                                // routes itself every Ω steps
+//   kv.report().to_string();                                         // every byte term
+//
+// Layouts (row-major float): keys and values [tokens][kv_heads][head_dim]; queries and outputs
+// [tokens][q_heads][head_dim]. The cache applies RoPE to queries and keys itself, at positions
+// first_position, first_position + 1, ... of each sequence.
+//
+// Every call checks its input before it changes anything: on error it throws qevict::error and
+// the cache is exactly as it was.
+
+#include <algorithm>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "qevict/backend/host/host_cache.hpp"
+#include "qevict/concepts/policies.hpp"
+#include "qevict/concepts/storage.hpp"
+#include "qevict/config.hpp"
+#include "qevict/core/report.hpp"
+
+namespace qevict {
+
+template <class Config, class Backend = backend::host>
+class cache {
+  static_assert(scorer_policy<typename Config::scorer>,
+                "qevict::cache: Config::scorer does not model qevict::scorer_policy "
+                "(needs name, float accumulate(float, float) and float after_routing(float))");
+  static_assert(quantizer_policy<typename Config::quantizer>,
+                "qevict::cache: Config::quantizer does not model qevict::quantizer_policy "
+                "(needs bits, layout(tokens, heads, dim), quantize, dequantize_key, dequantize_value)");
+  static_assert(window_policy<typename Config::window_policy>,
+                "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");
+  static_assert(allocator_policy<typename Config::allocator>,
+                "qevict::cache: Config::allocator does not model qevict::allocator_policy "
+                "(needs capacities split(hist, M_f, M_q) and bytes_for_all_full(windows, M_f))");
+  static_assert(rope_policy<typename Config::rope>,
+                "qevict::cache: Config::rope does not model qevict::rope_policy (needs rotates, inverse_frequencies, rotate)");
+
+  using engine_type = typename Backend::template engine<Config>;
+
+ public:
+  using config_type = Config;
+  using backend_type = Backend;
+
+  cache(const geometry& g, const budget& b, const limits& lim, const options& opt = {})
+      : engine_(g, b, lim, opt, nullptr, 0) {}
+
+  template <kv_storage Storage>
+  cache(const geometry& g, const budget& b, const limits& lim, Storage storage, const options& opt = {})
+      : engine_(g, b, lim, opt, arena_of(storage), bytes_of(storage)) {}
+
+  /// Bytes of the arena for this geometry, budget and limits (for external storage).
+  static std::size_t required_bytes(const geometry& g, const budget& b, const limits& lim) {
+    const region_plan p = make_region_plan<Config>(g, b, lim);
+    return p.region_bytes * static_cast<std::size_t>(lim.max_batch) * static_cast<std::size_t>(g.layers);
+  }
+
+  const geometry& geo() const { return engine_.geo(); }
+  const region_plan& plan() const { return engine_.plan(); }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  /// Starts a sequence whose first token sits at `first_position`.
+  sequence_id add_sequence(long long first_position = 0) {
+    detail::require(first_position >= 0, "add_sequence: first_position must be >= 0");
+    return engine_.add_sequence(first_position);
+  }
+  /// Frees a sequence's slot; the other sequences are untouched.
+  void remove_sequence(sequence_id s) {
+    check_sequence("remove_sequence", s);
+    engine_.remove_sequence(s);
+  }
+  bool contains(sequence_id s) const { return engine_.is_active(s); }
+  int tokens(sequence_id s, int layer) const {
+    check_sequence("tokens", s);
+    check_layer("tokens", layer);
+    return engine_.tokens(s, layer);
+  }
+
+  // ---- prefill -----------------------------------------------------------------------------
+  /// The whole prompt of `s` for one layer: exact causal attention into `out`, initial window
+  /// scores from the last options::observation_window queries, and a first routing event that
+  /// fits the budget. The sequence must be empty in this layer.
+  void prefill(int layer, sequence_id s, std::span<const float> q, std::span<const float> k, std::span<const float> v,
+               std::span<float> out) {
+    const char* call = "prefill";
+    check_layer(call, layer);
+    check_sequence(call, s);
+    const std::size_t krow = kv_row(), qrow = q_row();
+    detail::require(!k.empty() && k.size() % krow == 0,
+                    std::string(call) + ": k has " + std::to_string(k.size()) + " floats, not a positive multiple of kv_heads*head_dim = " +
+                        std::to_string(krow));
+    const std::size_t n = k.size() / krow;
+    check_size(call, "v", v.size(), n * krow);
+    check_size(call, "q", q.size(), n * qrow);
+    check_size(call, "out", out.size(), n * qrow);
+    detail::require(engine_.tokens(s, layer) == 0, std::string(call) + ": sequence " + std::to_string(s) + " already holds " +
+                                                       std::to_string(engine_.tokens(s, layer)) + " tokens in layer " +
+                                                       std::to_string(layer) + "; use append() to extend it");
+    detail::require(n <= static_cast<std::size_t>(engine_.plan().max_tokens),
+                    std::string(call) + ": prompt of " + std::to_string(n) + " tokens exceeds limits::max_tokens = " +
+                        std::to_string(engine_.plan().max_tokens));
+    check_finite(call, "q", q);
+    check_finite(call, "k", k);
+    check_finite(call, "v", v);
+    engine_.prefill(layer, s, q.data(), k.data(), v.data(), out.data(), static_cast<int>(n));
+  }
+
+  // ---- decode ------------------------------------------------------------------------------
+  /// Appends one token to each listed sequence. `positions`, if given, must be each sequence's
+  /// next position (its previous one plus one).
+  void append(int layer, std::span<const sequence_id> seqs, std::span<const float> k, std::span<const float> v,
+              std::span<const long long> positions = {}) {
+    const char* call = "append";
+    check_batch(call, layer, seqs);
+    check_size(call, "k", k.size(), seqs.size() * kv_row());
+    check_size(call, "v", v.size(), seqs.size() * kv_row());
+    detail::require(positions.empty() || positions.size() == seqs.size(),
+                    std::string(call) + ": positions has " + std::to_string(positions.size()) + " entries for " +
+                        std::to_string(seqs.size()) + " sequences");
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const sequence_id s = seqs[b];
+      const int n = engine_.tokens(s, layer);
+      detail::require(n < engine_.plan().max_tokens, std::string(call) + ": sequence " + std::to_string(s) +
+                                                         " reached limits::max_tokens = " +
+                                                         std::to_string(engine_.plan().max_tokens) + " in layer " +
+                                                         std::to_string(layer));
+      if (!positions.empty()) {
+        const long long expected = engine_.first_position(s) + n;
+        detail::require(positions[b] == expected,
+                        std::string(call) + ": position " + std::to_string(positions[b]) + " of sequence " + std::to_string(s) +
+                            " in layer " + std::to_string(layer) + " is not the next position " + std::to_string(expected) +
+                            " (positions must increase by one per token)");
+      }
+      detail::require(options_routing() == routing_mode::automatic || !engine_.recent_full(s, layer),
+                      std::string(call) + ": the recent region of sequence " + std::to_string(s) + " in layer " +
+                          std::to_string(layer) + " is full; with routing_mode::manual call route() first");
+    }
+    check_finite(call, "k", k);
+    check_finite(call, "v", v);
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      engine_.append(layer, seqs[b], k.data() + b * kv_row(), v.data() + b * kv_row());
+  }
+
+  /// Attention of each listed sequence's newest query over everything its cache still holds
+  /// (sinks, Full and Quantized windows, recent region); adds each window's mass to its score
+  /// and, with routing_mode::automatic, routes every Ω-th call. `observe(attention_event)` sees
+  /// every attended token's probability (host backend).
+  template <class Observer = no_observer>
+  void attend(int layer, std::span<const sequence_id> seqs, std::span<const float> q, std::span<float> out,
+              Observer&& observe = {}) {
+    const char* call = "attend";
+    check_batch(call, layer, seqs);
+    check_size(call, "q", q.size(), seqs.size() * q_row());
+    check_size(call, "out", out.size(), seqs.size() * q_row());
+    for (sequence_id s : seqs)
+      detail::require(engine_.tokens(s, layer) > 0, std::string(call) + ": sequence " + std::to_string(s) +
+                                                        " has no tokens in layer " + std::to_string(layer) +
+                                                        "; append() its token first");
+    check_finite(call, "q", q);
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      engine_.attend(layer, seqs[b], static_cast<int>(b), q.data() + b * q_row(), out.data() + b * q_row(), observe);
+  }
+
+  /// A routing event now for every layer of `s` (on demand; Algorithm 1).
+  void route(sequence_id s) {
+    check_sequence("route", s);
+    for (int l = 0; l < engine_.geo().layers; ++l) engine_.route(s, l);
+  }
+  /// A routing event now for every active sequence and layer.
+  void route() {
+    for (sequence_id s = 0; s < static_cast<sequence_id>(max_batch()); ++s)
+      if (engine_.is_active(s)) route(s);
+  }
+
+  // ---- reports and introspection -----------------------------------------------------------
+  budget_report report() const { return engine_.report(); }
+  std::vector<window_info> windows(sequence_id s, int layer) const {
+    check_sequence("windows", s);
+    check_layer("windows", layer);
+    return engine_.windows(s, layer);
+  }
+  tier_counts counts(sequence_id s, int layer) const {
+    check_sequence("counts", s);
+    check_layer("counts", layer);
+    return engine_.counts(s, layer);
+  }
+  /// Keys (after RoPE) and values of window w as attention sees them: [window][kv_heads][head_dim].
+  void read_window(sequence_id s, int layer, int w, std::span<float> k_post, std::span<float> v) const {
+    check_window("read_window", s, layer, w);
+    const std::size_t n = static_cast<std::size_t>(engine_.plan().window) * kv_row();
+    check_size("read_window", "k_post", k_post.size(), n);
+    check_size("read_window", "v", v.size(), n);
+    engine_.read_window(s, layer, w, k_post.data(), v.data());
+  }
+  /// The bytes of window w's ledger record (empty if it was never quantized).
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+    check_window("ledger_record", s, layer, w);
+    return engine_.ledger_record(s, layer, w);
+  }
+  /// Overrides window w's cumulative score (external importance signals, experiments).
+  void set_score(sequence_id s, int layer, int w, float score) {
+    check_window("set_score", s, layer, w);
+    detail::require(numeric::is_finite(score), "set_score: score must be finite");
+    engine_.set_score(s, layer, w, score);
+  }
+
+ private:
+  template <class Storage>
+  static std::byte* arena_of(const Storage& s) {
+    if constexpr (std::same_as<Storage, storage::owned>) return nullptr;
+    else {
+      detail::require(s.data() != nullptr, "external storage: null pointer");
+      return static_cast<std::byte*>(s.data());
+    }
+  }
+  template <class Storage>
+  static std::size_t bytes_of(const Storage& s) {
+    if constexpr (std::same_as<Storage, storage::owned>) return 0;
+    else return s.size_bytes();
+  }
+
+  std::size_t kv_row() const { return static_cast<std::size_t>(engine_.geo().kv_heads) * engine_.geo().head_dim; }
+  std::size_t q_row() const { return static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim; }
+  std::size_t max_batch() const { return static_cast<std::size_t>(engine_.lim().max_batch); }
+  routing_mode options_routing() const { return engine_.opts().routing; }
+
+  void check_layer(const char* call, int layer) const {
+    detail::require(layer >= 0 && layer < engine_.geo().layers,
+                    std::string(call) + ": layer " + std::to_string(layer) + " is out of range [0, " +
+                        std::to_string(engine_.geo().layers) + ")");
+  }
+  void check_sequence(const char* call, sequence_id s) const {
+    detail::require(engine_.is_active(s), std::string(call) + ": sequence " + std::to_string(s) + " is not in the cache");
+  }
+  void check_window(const char* call, sequence_id s, int layer, int w) const {
+    check_sequence(call, s);
+    check_layer(call, layer);
+    detail::require(w >= 0 && w < engine_.windows_started(engine_.tokens(s, layer)),
+                    std::string(call) + ": window " + std::to_string(w) + " does not exist in sequence " +
+                        std::to_string(s) + ", layer " + std::to_string(layer));
+  }
+  void check_batch(const char* call, int layer, std::span<const sequence_id> seqs) const {
+    check_layer(call, layer);
+    detail::require(!seqs.empty(), std::string(call) + ": the batch lists no sequence");
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      check_sequence(call, seqs[i]);
+      for (std::size_t j = 0; j < i; ++j)
+        detail::require(seqs[j] != seqs[i], std::string(call) + ": sequence " + std::to_string(seqs[i]) +
+                                                " is listed twice in one batch");
+    }
+  }
+  static void check_size(const char* call, const char* what, std::size_t got, std::size_t want) {
+    detail::require(got == want, std::string(call) + ": " + what + " has " + std::to_string(got) + " floats, expected " +
+                                     std::to_string(want));
+  }
+  static void check_finite(const char* call, const char* what, std::span<const float> x) {
+    for (std::size_t i = 0; i < x.size(); ++i)
+      detail::require(numeric::is_finite(x[i]), std::string(call) + ": " + what + "[" + std::to_string(i) + "] is " +
+                                                    (x[i] != x[i] ? "NaN" : "infinite") + "; the cache is unchanged");
+  }
+
+  engine_type engine_;
+};
+
+}  // namespace qevict

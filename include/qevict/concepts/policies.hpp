@@ -1,0 +1,52 @@
+#pragma once
+// One concept per policy. cache<> checks each with a static_assert that names the concept, so a
+// wrong configuration fails with one readable line.
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#include "qevict/core/geometry.hpp"
+#include "qevict/policies/allocators.hpp"
+#include "qevict/policies/quantizers.hpp"
+
+namespace qevict {
+
+template <class S>
+concept scorer_policy = requires(float score, float mass) {
+  { S::name } -> std::convertible_to<const char*>;
+  { S::accumulate(score, mass) } -> std::same_as<float>;
+  { S::after_routing(score) } -> std::same_as<float>;
+};
+
+template <class Q>
+concept quantizer_policy = requires(const quantizers::record_layout& L, const float* x, std::uint8_t* rec,
+                                    const std::uint8_t* crec, float* out, int i) {
+  { Q::bits } -> std::convertible_to<int>;
+  { Q::layout(i, i, i) } -> std::same_as<quantizers::record_layout>;
+  Q::quantize(L, x, x, rec);
+  Q::dequantize_key(L, crec, i, i, out);
+  Q::dequantize_value(L, crec, i, i, out);
+};
+
+template <class W>
+concept window_policy = requires {
+  { W::size } -> std::convertible_to<int>;
+  { W::sinks } -> std::convertible_to<int>;
+  { W::recent } -> std::convertible_to<int>;
+} && (W::size >= 1) && (W::sinks >= 0) && (W::recent >= 0);
+
+template <class A>
+concept allocator_policy = requires(std::size_t n) {
+  { A::split(n, n, n) } -> std::same_as<capacities>;
+  { A::bytes_for_all_full(n, n) } -> std::convertible_to<std::size_t>;
+};
+
+template <class R>
+concept rope_policy = requires(const rope_params& p, double* x, const double* f) {
+  { R::rotates } -> std::convertible_to<bool>;
+  R::inverse_frequencies(p, 8);
+  R::rotate(rope_layout::rotate_half, f, 8, x, 0LL, 1);
+};
+
+}  // namespace qevict

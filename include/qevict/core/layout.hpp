@@ -1,0 +1,172 @@
+#pragma once
+// The byte plan of one (sequence, layer): how the budget splits into sinks, recent region,
+// window table, Full pool and quantized pool (the ledger), and where each lives in the region.
+// Every size here is exact and every term is reported; both backends use this one plan.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "qevict/config.hpp"
+#include "qevict/core/geometry.hpp"
+
+namespace qevict {
+
+/// One entry of the window table. A window keeps its entry (and so its identity and score)
+/// across every move; its tier follows from the slots it holds (see tier_of).
+struct window_record {
+  float score = 0.0f;
+  std::int32_t full_slot = -1;    ///< index in the Full pool, or -1
+  std::int32_t ledger_slot = -1;  ///< index in the quantized pool (ledger), or -1
+};
+
+enum class tier : std::uint8_t { sink, recent, full, quantized, evicted };
+
+inline const char* to_string(tier t) {
+  switch (t) {
+    case tier::sink: return "sink";
+    case tier::recent: return "recent";
+    case tier::full: return "full";
+    case tier::quantized: return "quantized";
+    case tier::evicted: return "evicted";
+  }
+  return "?";
+}
+
+/// A window that has not yet aged out of the recent region is `recent`; after that it is Full
+/// while it holds a Full slot (it may also keep its ledger copy), quantized while it holds only
+/// ledger codes, and evicted when it holds neither.
+QEVICT_HOST_DEVICE constexpr tier tier_of(const window_record& w, bool aged) {
+  if (!aged) return tier::recent;
+  if (w.full_slot >= 0) return tier::full;
+  if (w.ledger_slot >= 0) return tier::quantized;
+  return tier::evicted;
+}
+
+/// Bytes by term; used both for what a region reserves and for what it currently holds.
+struct byte_terms {
+  std::size_t sink = 0;
+  std::size_t recent = 0;
+  std::size_t full = 0;                ///< Full windows
+  std::size_t quantized_codes = 0;     ///< codes of Quantized windows
+  std::size_t quantized_metadata = 0;  ///< scale/zero of Quantized windows
+  std::size_t ledger_copies = 0;       ///< ledger records kept by Full (promoted) windows
+  std::size_t tables = 0;              ///< window table and scores
+  constexpr std::size_t total() const {
+    return sink + recent + full + quantized_codes + quantized_metadata + ledger_copies + tables;
+  }
+  byte_terms& operator+=(const byte_terms& o) {
+    sink += o.sink; recent += o.recent; full += o.full; quantized_codes += o.quantized_codes;
+    quantized_metadata += o.quantized_metadata; ledger_copies += o.ledger_copies; tables += o.tables;
+    return *this;
+  }
+};
+
+/// The plan shared by every (sequence, layer) of a cache.
+struct region_plan {
+  // geometry
+  int kv_heads = 0, q_heads = 0, head_dim = 0;
+  element_type element = element_type::f32;
+  // window policy and routing
+  int window = 0, sinks = 0, recent = 0, routing_interval = 0;
+  int recent_capacity = 0;  ///< tokens: recent + window - 1 + Ω (the most the region holds)
+  int max_tokens = 0;
+  int max_windows = 0;
+  // sizes in bytes
+  std::size_t token_bytes = 0;        ///< one token, keys and values, all KV heads
+  std::size_t full_window_bytes = 0;  ///< M_f
+  quantizers::record_layout record{};  ///< M_q = record.window_bytes()
+  std::size_t budget_bytes = 0;       ///< B_total
+  std::size_t hist_bytes = 0;         ///< B_hist = B_total − B_sink − B_local − tables
+  capacities caps{};                  ///< K_f, K_q
+  // offsets of each section inside a region
+  std::size_t table_offset = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
+  std::size_t region_bytes = 0;
+
+  constexpr std::size_t sink_bytes() const { return static_cast<std::size_t>(sinks) * token_bytes; }
+  constexpr std::size_t recent_bytes() const { return static_cast<std::size_t>(recent_capacity) * token_bytes; }
+  constexpr std::size_t table_bytes() const { return static_cast<std::size_t>(max_windows) * sizeof(window_record); }
+  constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
+
+  /// What the region reserves, by term (ledger copies share the quantized pool).
+  byte_terms reserved() const {
+    byte_terms t;
+    t.sink = sink_bytes();
+    t.recent = recent_bytes();
+    t.tables = table_bytes();
+    t.full = caps.full * full_window_bytes;
+    t.quantized_codes = caps.quantized * record.code_bytes();
+    t.quantized_metadata = caps.quantized * record.metadata_bytes();
+    return t;
+  }
+};
+
+/// Builds the plan for `Config`, or throws qevict::error naming what does not fit.
+template <class Config>
+region_plan make_region_plan(const geometry& g, const budget& b, const limits& lim) {
+  using W = typename Config::window_policy;
+  using Q = typename Config::quantizer;
+  using A = typename Config::allocator;
+  detail::require(g.layers > 0 && g.q_heads > 0 && g.kv_heads > 0 && g.head_dim > 0,
+                  "geometry: layers, q_heads, kv_heads and head_dim must all be positive");
+  detail::require(g.q_heads % g.kv_heads == 0,
+                  "geometry: q_heads (" + std::to_string(g.q_heads) + ") must be a multiple of kv_heads (" +
+                      std::to_string(g.kv_heads) + ")");
+  detail::require(g.head_dim % 8 == 0, "geometry: head_dim (" + std::to_string(g.head_dim) + ") must be a multiple of 8");
+  detail::require(g.head_dim <= 512, "geometry: head_dim (" + std::to_string(g.head_dim) + ") must be at most 512");
+  detail::require(g.rope.theta > 0.0f, "geometry: rope.theta must be positive");
+  detail::require(lim.max_batch > 0, "limits: max_batch must be positive");
+  detail::require(lim.max_tokens > 0, "limits: max_tokens must be positive");
+
+  region_plan p;
+  p.kv_heads = g.kv_heads;
+  p.q_heads = g.q_heads;
+  p.head_dim = g.head_dim;
+  p.element = g.element;
+  p.window = W::size;
+  p.sinks = W::sinks;
+  p.recent = W::recent;
+  p.routing_interval = Config::routing_interval;
+  p.recent_capacity = W::recent + W::size - 1 + Config::routing_interval;
+  p.max_tokens = lim.max_tokens;
+  p.max_windows = lim.max_tokens > W::sinks ? (lim.max_tokens - W::sinks + W::size - 1) / W::size : 0;
+  p.token_bytes = g.token_bytes();
+  p.full_window_bytes = static_cast<std::size_t>(W::size) * p.token_bytes;
+  p.record = Q::layout(W::size, g.kv_heads, g.head_dim);
+
+  const std::size_t fixed = p.sink_bytes() + p.recent_bytes() + p.table_bytes();
+  switch (b.what()) {
+    case budget::kind::fraction: {
+      const double f = b.fraction_value();
+      detail::require(f > 0.0 && f <= 1.0, "budget::fraction(" + std::to_string(f) + "): the fraction must be in (0, 1]");
+      p.budget_bytes = static_cast<std::size_t>(f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes));
+      break;
+    }
+    case budget::kind::bytes: p.budget_bytes = b.bytes_value(); break;
+    case budget::kind::everything:
+      p.budget_bytes = fixed + A::bytes_for_all_full(static_cast<std::size_t>(p.max_windows), p.full_window_bytes);
+      break;
+  }
+  detail::require(p.budget_bytes >= fixed,
+                  "budget of " + std::to_string(p.budget_bytes) + " bytes per sequence per layer cannot hold the " +
+                      std::to_string(W::sinks) + " sinks (" + std::to_string(p.sink_bytes()) + " B), the recent region of " +
+                      std::to_string(p.recent_capacity) + " tokens (" + std::to_string(p.recent_bytes()) +
+                      " B) and the window table (" + std::to_string(p.table_bytes()) + " B): at least " +
+                      std::to_string(fixed) + " bytes are needed");
+  p.hist_bytes = p.budget_bytes - fixed;
+  p.caps = A::split(p.hist_bytes, p.full_window_bytes, p.quantized_window_bytes());
+  // Never reserve more than the windows that can exist.
+  if (p.caps.full > static_cast<std::size_t>(p.max_windows)) p.caps.full = static_cast<std::size_t>(p.max_windows);
+  if (p.caps.quantized > static_cast<std::size_t>(p.max_windows)) p.caps.quantized = static_cast<std::size_t>(p.max_windows);
+
+  p.table_offset = 0;
+  p.sink_offset = p.table_offset + p.table_bytes();
+  p.recent_offset = p.sink_offset + p.sink_bytes();
+  p.full_offset = p.recent_offset + p.recent_bytes();
+  p.ledger_offset = p.full_offset + p.caps.full * p.full_window_bytes;
+  p.region_bytes = p.ledger_offset + p.caps.quantized * p.quantized_window_bytes();
+  detail::require(p.region_bytes <= p.budget_bytes, "internal: region plan exceeds its budget");
+  return p;
+}
+
+}  // namespace qevict

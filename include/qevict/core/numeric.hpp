@@ -1,0 +1,103 @@
+#pragma once
+// Storage element types and their conversions, written once for the host and the device.
+// Float16 and bfloat16 are stored as raw 16-bit patterns so that host code needs no CUDA
+// headers; conversions round to nearest even, like the hardware does.
+
+#include <cstdint>
+#include <cstring>
+
+#include "qevict/core/platform.hpp"
+
+namespace qevict {
+
+enum class element_type : std::uint8_t { f32, f16, bf16 };
+
+QEVICT_HOST_DEVICE constexpr std::size_t element_bytes(element_type e) {
+  return e == element_type::f32 ? 4u : 2u;
+}
+
+inline const char* to_string(element_type e) {
+  switch (e) {
+    case element_type::f32: return "f32";
+    case element_type::f16: return "f16";
+    case element_type::bf16: return "bf16";
+  }
+  return "?";
+}
+
+namespace numeric {
+
+QEVICT_HOST_DEVICE std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+QEVICT_HOST_DEVICE float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+QEVICT_HOST_DEVICE std::uint16_t float_to_bf16(float f) {
+  std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+QEVICT_HOST_DEVICE float bf16_to_float(std::uint16_t h) { return bits_float(std::uint32_t{h} << 16); }
+
+QEVICT_HOST_DEVICE float f16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu;
+  std::uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0) {
+    if (mant == 0) return bits_float(sign);
+    // Subnormal half: value = mant * 2^-24, exact in float.
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+QEVICT_HOST_DEVICE std::uint16_t float_to_f16(float f) {
+  const std::uint32_t u = float_bits(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);
+  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {
+    // Result is subnormal (or zero): round abs/2^-24 to nearest even.
+    const float scaled = bits_float(abs) * 16777216.0f;  // exact: power-of-two scaling
+    std::uint32_t m = static_cast<std::uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    return static_cast<std::uint16_t>(sign | m);
+  }
+  std::uint32_t r = abs - 0x38000000u;  // re-bias exponent 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (r >> 13));
+}
+
+/// Read element `i` of a buffer stored as `e`.
+QEVICT_HOST_DEVICE float load(element_type e, const void* base, std::size_t i) {
+  switch (e) {
+    case element_type::f32: return static_cast<const float*>(base)[i];
+    case element_type::f16: return f16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+    default: return bf16_to_float(static_cast<const std::uint16_t*>(base)[i]);
+  }
+}
+
+/// Write element `i` of a buffer stored as `e` (round to nearest even).
+QEVICT_HOST_DEVICE void store(element_type e, void* base, std::size_t i, float v) {
+  switch (e) {
+    case element_type::f32: static_cast<float*>(base)[i] = v; break;
+    case element_type::f16: static_cast<std::uint16_t*>(base)[i] = float_to_f16(v); break;
+    default: static_cast<std::uint16_t*>(base)[i] = float_to_bf16(v); break;
+  }
+}
+
+QEVICT_HOST_DEVICE bool is_finite(float v) { return (float_bits(v) & 0x7f800000u) != 0x7f800000u; }
+
+}  // namespace numeric
+}  // namespace qevict

@@ -1,0 +1,93 @@
+#pragma once
+// The budget report: every byte term per layer and in total, what is reserved and what is held,
+// and the tier counts. Its to_string() is what examples print.
+
+#include <cstddef>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "qevict/core/layout.hpp"
+
+namespace qevict {
+
+struct tier_counts {
+  std::size_t sink_tokens = 0;
+  std::size_t recent_tokens = 0;
+  std::size_t full = 0;       ///< Full windows
+  std::size_t quantized = 0;  ///< Quantized windows
+  std::size_t evicted = 0;    ///< Evicted windows
+  std::size_t ledger_copies = 0;  ///< Full windows that keep their ledger record
+  tier_counts& operator+=(const tier_counts& o) {
+    sink_tokens += o.sink_tokens; recent_tokens += o.recent_tokens; full += o.full;
+    quantized += o.quantized; evicted += o.evicted; ledger_copies += o.ledger_copies;
+    return *this;
+  }
+};
+
+struct layer_report {
+  byte_terms used;      ///< bytes holding data now
+  byte_terms reserved;  ///< bytes set aside for the active sequences
+  std::size_t budget_bytes = 0;      ///< B_total × active sequences
+  std::size_t full_cache_bytes = 0;  ///< what an uncompressed cache would hold for the same tokens
+  tier_counts counts;
+};
+
+struct budget_report {
+  std::vector<layer_report> layers;
+  std::size_t sequences = 0;
+  std::size_t budget_per_sequence_layer = 0;
+  capacities caps;
+  std::size_t full_window_bytes = 0;
+  std::size_t quantized_window_bytes = 0;
+
+  byte_terms used_total() const { byte_terms t; for (auto& l : layers) t += l.used; return t; }
+  byte_terms reserved_total() const { byte_terms t; for (auto& l : layers) t += l.reserved; return t; }
+  std::size_t budget_total() const { std::size_t b = 0; for (auto& l : layers) b += l.budget_bytes; return b; }
+  std::size_t full_cache_total() const { std::size_t b = 0; for (auto& l : layers) b += l.full_cache_bytes; return b; }
+  tier_counts counts_total() const { tier_counts c; for (auto& l : layers) c += l.counts; return c; }
+
+  std::string to_string() const {
+    std::string s;
+    char line[256];
+    auto row = [&](const char* name, std::size_t used, std::size_t reserved) {
+      std::snprintf(line, sizeof line, "  %-22s %14zu %14zu\n", name, used, reserved);
+      s += line;
+    };
+    std::snprintf(line, sizeof line,
+                  "qevict budget report: %zu sequence(s), %zu layer(s), K_f = %zu, K_q = %zu, M_f = %zu B, M_q = %zu B\n",
+                  sequences, layers.size(), caps.full, caps.quantized, full_window_bytes, quantized_window_bytes);
+    s += line;
+    const byte_terms u = used_total(), r = reserved_total();
+    std::snprintf(line, sizeof line, "  %-22s %14s %14s\n", "term (all layers)", "held [B]", "reserved [B]");
+    s += line;
+    row("sinks", u.sink, r.sink);
+    row("recent region", u.recent, r.recent);
+    row("full windows", u.full, r.full);
+    row("quantized codes", u.quantized_codes, r.quantized_codes);
+    row("quantized metadata", u.quantized_metadata, r.quantized_metadata);
+    row("ledger copies", u.ledger_copies, 0);
+    row("window tables+scores", u.tables, r.tables);
+    row("total", u.total(), r.total());
+    std::snprintf(line, sizeof line, "  budget %zu B; held %.2f%% of it; uncompressed cache of the same tokens %zu B\n",
+                  budget_total(), budget_total() ? 100.0 * static_cast<double>(u.total()) / static_cast<double>(budget_total()) : 0.0,
+                  full_cache_total());
+    s += line;
+    const tier_counts c = counts_total();
+    std::snprintf(line, sizeof line, "  windows: %zu full (%zu with ledger copy), %zu quantized, %zu evicted; %zu sink + %zu recent tokens\n",
+                  c.full, c.ledger_copies, c.quantized, c.evicted, c.sink_tokens, c.recent_tokens);
+    s += line;
+    return s;
+  }
+};
+
+/// One window as introspection shows it.
+struct window_info {
+  int index = 0;
+  long long first_position = 0;
+  tier where = tier::recent;
+  float score = 0.0f;
+  bool has_ledger = false;
+};
+
+}  // namespace qevict
