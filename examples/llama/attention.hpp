@@ -115,6 +115,16 @@ public:
     // probabilities(layer) is [q_heads][tokens], each row summing to one.
     void record_probabilities(bool on) { record_ = on; }
     [[nodiscard]] std::span<const float> probabilities(std::size_t layer) const { return probabilities_.at(layer); }
+    // The same averaged over query heads: one distribution over the cached tokens, the form
+    // qevict::diagnostics::attention_step takes.
+    [[nodiscard]] std::vector<float> head_averaged_probabilities(std::size_t layer) const {
+        const auto& p = probabilities_.at(layer);
+        std::vector<float> mean(p.size() / shape_.q_heads, 0.f);
+        for (std::size_t h = 0; h < shape_.q_heads; ++h)
+            for (std::size_t t = 0; t < mean.size(); ++t) mean[t] += p[h * mean.size() + t];
+        for (auto& m : mean) m /= static_cast<float>(shape_.q_heads);
+        return mean;
+    }
 
     [[nodiscard]] std::size_t tokens(std::size_t layer = 0) const { return keys_.at(layer).size() / shape_.kv_width(); }
     // Rotated keys and values of a layer, [token][kv_heads][head_dim].

@@ -230,6 +230,17 @@ TEST_CASE("engine: greedy generation from BOS with the dense cache equals the re
     CHECK(std::equal(tokens.begin(), tokens.end(), encoded.begin() + 1));
 }
 
+TEST_CASE("engine: the rotate-half RoPE layout does not reproduce the reference (interleaved is right)") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    auto shape = m.params().attention();
+    shape.rope = llama::rope_layout::half;
+    llama::dense_cache cache(shape, 1024);
+    const std::vector<llama::token_id> prompt{m.vocab().bos()};
+    const auto tokens = llama::generate_greedy(m, cache, prompt, {.max_new_tokens = 200});
+    CHECK(m.vocab().decode(tokens) != reference_greedy_text());
+}
+
 TEST_CASE("engine: a prefill of many tokens equals decoding them one by one") {
     if (!have_data()) return;
     const auto& m = stories();
