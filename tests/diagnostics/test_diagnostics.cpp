@@ -24,6 +24,7 @@
 
 #include <array>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -411,4 +412,71 @@ TEST_CASE("malformed inputs are rejected with a message naming the problem") {
                    "need 9 tokens but the step has 6"));
     CHECK(contains(invalid_argument_message([&] { (void)dx::oracle_sets(f.history, trace, {.k_full = 1}); }),
                    "fewer than the 9 the routed windows cover"));
+}
+
+TEST_CASE("snapshot lookup follows the step convention") {
+    const fixture f;
+    // h0 step 0, h1 step 2, h2 step 4. At the end of step 3 the tiers are h1's; attention at step 2
+    // still ran with h0's (h1 is chosen after step 2).
+    CHECK(dx::snapshot_at(f.history, 3) == &f.history[1]);
+    CHECK(dx::snapshot_at(f.history, 2) == &f.history[1]);
+    CHECK(dx::snapshot_governing(f.history, 2) == &f.history[0]);
+    CHECK(dx::snapshot_governing(f.history, 0) == nullptr);
+    CHECK(dx::snapshot_at(std::span(f.history).subspan(1), 1) == nullptr);
+}
+
+TEST_CASE("random traces: the FMM curve equals its definition and the split sums to 1") {
+    // A growing sequence (one token per step) with routing every 4 steps, random tiers that keep
+    // eviction permanent, and random reference attention.
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    const dx::window_layout lay{3, 4};
+    std::vector<std::vector<float>> probs;
+    std::vector<dx::attention_step> trace;
+    std::vector<dx::tier_snapshot> history;
+    std::size_t tokens = 20;
+    for (std::size_t step = 1; step <= 40; ++step, ++tokens) {
+        std::vector<float> p(tokens);
+        for (float& x : p) x = unit(rng) * unit(rng);
+        probs.push_back(std::move(p));
+        if (step % 4 == 0) {
+            dx::tier_snapshot s{step, lay, history.empty() ? std::vector<tier>{} : history.back().tiers};
+            s.tiers.resize((tokens - lay.sinks) / lay.window_size - 2, tier::full);  // leave a recent region
+            for (tier& t : s.tiers) {
+                if (t == tier::evicted) continue;
+                const float u = unit(rng);
+                t = u < 0.2f ? tier::evicted : (u < 0.6f ? tier::quantized : tier::full);
+            }
+            history.push_back(std::move(s));
+        }
+    }
+    for (std::size_t k = 0; k < probs.size(); ++k) trace.push_back({k + 1, probs[k]});
+
+    for (const auto missing : {dx::missing_tiers::evicted, dx::missing_tiers::evicted_and_quantized}) {
+        const auto curve = dx::future_missed_mass_curve(history, trace, missing);
+        REQUIRE(curve.size() == trace.size() - 1);
+        for (const dx::curve_point& p : curve) {
+            const auto profile = dx::future_missed_mass_profile(history, trace, p.step, missing);
+            double mean = 0.0;
+            for (const auto& q : profile) mean += q.value;
+            mean /= static_cast<double>(profile.size());
+            CHECK(p.value == doctest::Approx(mean));
+        }
+    }
+    for (const dx::attention_step& s : trace) {
+        const dx::tier_snapshot* h = dx::snapshot_governing(history, s.step);
+        if (!h) continue;
+        const dx::mass_split m = dx::split_attention_mass(*h, s);
+        CHECK(m.full + m.quantized + m.evicted + m.sink + m.recent == doctest::Approx(1.0));
+        // The evicted share is the missed mass of the governing snapshot.
+        CHECK(m.evicted == doctest::Approx(dx::missed_mass(*h, s)));
+    }
+    // Churn and LIR stay within [0, 1].
+    const auto sets = dx::window_sets_from_history(history, dx::kept_tiers::full);
+    const double churn = dx::selection_churn(sets);
+    CHECK(churn >= 0.0);
+    CHECK(churn <= 1.0);
+    const double lir = dx::global_lir(sets, 2).rate();
+    CHECK(lir >= 0.0);
+    CHECK(lir <= 1.0);
 }
