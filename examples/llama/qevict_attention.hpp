@@ -37,11 +37,13 @@ public:
 
     qevict_attention(const hyperparams& p, qevict::budget budget, std::size_t max_tokens)
         : cache_(qevict_geometry(p), budget, qevict::limits{.max_batch = 1, .max_tokens = static_cast<int>(max_tokens)}),
-          sequence_(cache_.add_sequence()) {}
+          sequence_(cache_.add_sequence()), q_heads_(p.q_heads), kv_heads_(p.kv_heads), head_dim_(p.head_dim) {}
 
     void prefill(std::size_t layer, std::span<const float> q, std::span<const float> k, std::span<const float> v,
                  std::span<float> out, std::size_t n) override {
-        cache_.prefill(static_cast<int>(layer), sequence_, q, k, v, out, static_cast<int>(n));
+        const std::size_t qw = q_heads_ * head_dim_, kvw = kv_heads_ * head_dim_;
+        cache_.prefill(static_cast<int>(layer), sequence_, q.first(n * qw), k.first(n * kvw), v.first(n * kvw),
+                       out.first(n * qw));
     }
 
     void decode(std::size_t layer, std::span<const float> q, std::span<const float> k, std::span<const float> v,
@@ -61,6 +63,7 @@ public:
 private:
     cache_type cache_;
     qevict::sequence_id sequence_;
+    std::size_t q_heads_, kv_heads_, head_dim_;
 };
 
 }  // namespace llama
