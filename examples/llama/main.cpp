@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
         compressed.emplace(p, budget, max_tokens);
         forced.emplace(p, budget, max_tokens);
     } catch (const qevict::error& e) {
-        fail(std::string("qevict cannot be configured this way: ") + e.what());
+        fail(std::string("qevict cannot be configured this way: ") + e.what() +
+             "\n(the budget is a fraction of --max-tokens tokens: raise --budget, --tokens or --max-tokens)");
     }
     const auto qevict_tokens = llama::generate_greedy(m, *compressed, prompt, generation);
     const auto forced_logits = llama::teacher_forced_logits(m, *forced, prompt, full_tokens);

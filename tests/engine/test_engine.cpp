@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../../examples/llama/generate.hpp"
+#include "../../examples/llama/qevict_attention.hpp"
 
 namespace fs = std::filesystem;
 
@@ -273,4 +274,65 @@ TEST_CASE("engine: recorded attention probabilities are distributions over the c
             CHECK(sum == doctest::Approx(1.0));
         }
     }
+}
+
+// ---- the engine through qevict::cache -------------------------------------------------------------
+
+TEST_CASE("qevict: a budget that holds everything reproduces the greedy reference text") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    const std::vector<llama::token_id> prompt{m.vocab().bos()};
+    SUBCASE("budget::everything()") {
+        llama::qevict_attention<> kv(m.params(), qevict::budget::everything(), 201);
+        const auto tokens = llama::generate_greedy(m, kv, prompt, {.max_new_tokens = 200});
+        CHECK(m.vocab().decode(tokens) == reference_greedy_text());
+        CHECK(kv.cache().report().counts_total().evicted == 0);
+    }
+    SUBCASE("budget::fraction(1.0) of a cache sized well beyond the text") {
+        // The fraction is of limits::max_tokens; with room for 1024 tokens, 200 fit in Full windows.
+        llama::qevict_attention<> kv(m.params(), qevict::budget::fraction(1.0), 1024);
+        const auto tokens = llama::generate_greedy(m, kv, prompt, {.max_new_tokens = 200});
+        CHECK(m.vocab().decode(tokens) == reference_greedy_text());
+        CHECK(kv.cache().report().counts_total().evicted == 0);
+        CHECK(kv.cache().report().counts_total().quantized == 0);
+    }
+}
+
+TEST_CASE("qevict: a prompt prefilled through the cache gives the dense cache's logits") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    const auto prompt = m.vocab().encode(reference_greedy_text());  // 201 tokens: many windows
+    llama::dense_cache dense(m.params().attention(), 256);
+    llama::qevict_attention<> kv(m.params(), qevict::budget::everything(), 256);
+    const auto want = m.prefill(prompt, dense);
+    const auto got = m.prefill(prompt, kv);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-3));
+    CHECK(llama::argmax(got) == llama::argmax(want));
+}
+
+TEST_CASE("qevict: at a 20% budget the cache stays within its budget and mostly agrees with the full cache") {
+    if (!have_data()) return;
+    const auto& m = stories();
+    const std::vector<llama::token_id> prompt{m.vocab().bos()};
+    const std::size_t steps = 400, max_tokens = steps + 1;
+    llama::dense_cache full(m.params().attention(), max_tokens);
+    const auto reference = llama::generate_greedy(m, full, prompt, {.max_new_tokens = steps, .stop_at_eos = false});
+    REQUIRE(reference.size() == steps);
+
+    llama::qevict_attention<> kv(m.params(), qevict::budget::fraction(0.20), max_tokens);
+    const auto logits = llama::teacher_forced_logits(m, kv, prompt, reference);
+    std::size_t agree = 0;
+    for (std::size_t i = 0; i < steps; ++i)
+        agree += llama::argmax(std::span<const float>(logits).subspan(i * m.params().vocab, m.params().vocab)) == reference[i];
+    const auto report = kv.cache().report();
+    MESSAGE("teacher-forced top-1 agreement " << agree << "/" << steps << "; held " << report.used_total().total()
+                                              << " B of a " << report.budget_total() << " B budget; full cache "
+                                              << full.kv_bytes() << " B");
+    CHECK(report.used_total().total() <= report.budget_total());
+    CHECK(report.counts_total().evicted > 0);  // the budget really forced evictions
+    CHECK(kv.kv_bytes() < full.kv_bytes() / 4);
+    // Loose on purpose: it catches a broken integration (wrong RoPE layout, wrong head mapping:
+    // agreement collapses to a few percent), not a change in the routing policy.
+    CHECK(agree > steps * 3 / 4);
 }
