@@ -91,8 +91,12 @@ class cache {
   /// The whole prompt of `s` for one layer: exact causal attention into `out`, initial window
   /// scores from the last options::observation_window queries, and a first routing event that
   /// fits the budget. The sequence must be empty in this layer.
+  ///
+  /// An engine that computes the prompt's attention itself passes an empty `out` and, in `q`,
+  /// only the queries of the last few prompt tokens (at least one): the cache then attends just
+  /// those, for the initial scores, and ingests k and v.
   void prefill(int layer, sequence_id s, std::span<const float> q, std::span<const float> k, std::span<const float> v,
-               std::span<float> out) {
+               std::span<float> out = {}) {
     const char* call = "prefill";
     check_layer(call, layer);
     check_sequence(call, s);
@@ -102,8 +106,15 @@ class cache {
                         std::to_string(krow));
     const std::size_t n = k.size() / krow;
     check_size(call, "v", v.size(), n * krow);
-    check_size(call, "q", q.size(), n * qrow);
-    check_size(call, "out", out.size(), n * qrow);
+    if (out.empty()) {
+      detail::require(!q.empty() && q.size() % qrow == 0 && q.size() <= n * qrow,
+                      std::string(call) + ": q has " + std::to_string(q.size()) +
+                          " floats; without out it must hold the queries of 1 to " + std::to_string(n) +
+                          " last prompt tokens (multiples of q_heads*head_dim = " + std::to_string(qrow) + ")");
+    } else {
+      check_size(call, "q", q.size(), n * qrow);
+      check_size(call, "out", out.size(), n * qrow);
+    }
     detail::require(engine_.tokens(s, layer) == 0, std::string(call) + ": sequence " + std::to_string(s) + " already holds " +
                                                        std::to_string(engine_.tokens(s, layer)) + " tokens in layer " +
                                                        std::to_string(layer) + "; use append() to extend it");
@@ -113,7 +124,8 @@ class cache {
     check_finite(call, "q", q);
     check_finite(call, "k", k);
     check_finite(call, "v", v);
-    engine_.prefill(layer, s, q.data(), k.data(), v.data(), out.data(), static_cast<int>(n));
+    engine_.prefill(layer, s, q.data(), static_cast<int>(q.size() / qrow), k.data(), v.data(),
+                    out.empty() ? nullptr : out.data(), static_cast<int>(n));
   }
 
   // ---- decode ------------------------------------------------------------------------------

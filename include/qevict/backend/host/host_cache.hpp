@@ -134,27 +134,31 @@ class host_cache {
 
   // ---- prefill -----------------------------------------------------------------------------
   /// Inputs were validated by cache<>: the lane is empty, shapes match, values are finite.
-  void prefill(int layer, sequence_id s, const float* q, const float* k, const float* v, float* out, int n) {
+  /// `q` holds the queries of the last `q_rows` prompt tokens (q_rows == n when `out` is given);
+  /// without `out` only those queries are attended, for the observation-window scores.
+  void prefill(int layer, sequence_id s, const float* q, int q_rows, const float* k, const float* v, float* out, int n) {
     const int d = geo_.head_dim, hkv = geo_.kv_heads, hq = geo_.q_heads;
     const std::size_t krow = static_cast<std::size_t>(hkv) * d, qrow = static_cast<std::size_t>(hq) * d;
     const long long p0 = first_position(s);
     // RoPE on copies of the prompt's keys and queries.
+    const int q0 = n - q_rows;  // token index of the first given query
     prefill_keys_.assign(k, k + static_cast<std::size_t>(n) * krow);
-    prefill_queries_.assign(q, q + static_cast<std::size_t>(n) * qrow);
-    for (int i = 0; i < n; ++i) {
+    prefill_queries_.assign(q, q + static_cast<std::size_t>(q_rows) * qrow);
+    for (int i = 0; i < n; ++i)
       for (int h = 0; h < hkv; ++h) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_keys_[i * krow + h * d], p0 + i);
-      for (int h = 0; h < hq; ++h) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_queries_[i * qrow + h * d], p0 + i);
-    }
+    for (int i = 0; i < q_rows; ++i)
+      for (int h = 0; h < hq; ++h)
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_queries_[i * qrow + h * d], p0 + q0 + i);
     // Exact causal attention over the prompt; the last `observation_window` queries score windows.
-    const int first_observer = std::max(0, n - opt_.observation_window);
+    const int first_observer = std::max(q0, n - opt_.observation_window);
     std::vector<double> mass(static_cast<std::size_t>(plan_.max_windows) + 1, 0.0);
     std::vector<double> logits(static_cast<std::size_t>(n));
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const int group = hq / hkv;
-    for (int i = 0; i < n; ++i) {
+    for (int i = out ? q0 : first_observer; i < n; ++i) {
       for (int h = 0; h < hq; ++h) {
         const int kvh = h / group;
-        const float* qi = &prefill_queries_[i * qrow + h * d];
+        const float* qi = &prefill_queries_[(i - q0) * qrow + h * d];
         double m = -INFINITY;
         for (int j = 0; j <= i; ++j) {
           const float* kj = &prefill_keys_[j * krow + kvh * d];
@@ -172,7 +176,8 @@ class host_cache {
           for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vj[c];
           if (i >= first_observer && j >= plan_.sinks) mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window)] += p / hq;
         }
-        for (int c = 0; c < d; ++c) out[i * qrow + h * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
+        if (out)
+          for (int c = 0; c < d; ++c) out[i * qrow + h * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
       }
     }
     // Place the tokens: sinks, then the recent ring, then route the aged windows.
