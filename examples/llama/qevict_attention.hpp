@@ -7,6 +7,7 @@
 // attends, and the cache routes on its own every Ω steps.
 
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -50,8 +51,18 @@ public:
                 std::span<float> out) override {
         const std::span<const qevict::sequence_id> one(&sequence_, 1);
         cache_.append(static_cast<int>(layer), one, k, v);
-        cache_.attend(static_cast<int>(layer), one, q, out);
+        if (observer_) {
+            cache_.attend(static_cast<int>(layer), one, q, out,
+                          [&](const qevict::attention_event& e) { observer_(layer, e); });
+        } else {
+            cache_.attend(static_cast<int>(layer), one, q, out);
+        }
     }
+
+    // Sees every token each decode step attends to (its tier and head-averaged probability), for
+    // diagnostics that compare what the compressed cache attended with the reference.
+    using observer = std::function<void(std::size_t layer, const qevict::attention_event&)>;
+    void set_observer(observer o) { observer_ = std::move(o); }
 
     [[nodiscard]] std::size_t kv_bytes() const override { return cache_.report().used_total().total(); }
     [[nodiscard]] std::string name() const override { return "qevict"; }
@@ -64,6 +75,7 @@ private:
     cache_type cache_;
     qevict::sequence_id sequence_;
     std::size_t q_heads_, kv_heads_, head_dim_;
+    observer observer_;
 };
 
 }  // namespace llama

@@ -165,6 +165,17 @@ TEST_CASE("model: wrong architecture and incomplete models are refused") {
     CHECK(error_of([] { (void)llama::model::load("/nonexistent/model.gguf"); }) == load_errc::missing_file);
 }
 
+TEST_CASE("gguf: the real model cut anywhere is reported as truncated") {
+    if (!have_data()) return;
+    const std::string whole = read_text(data_dir / "stories260K.gguf");
+    for (std::size_t keep : {std::size_t{10}, std::size_t{100}, std::size_t{1000}, std::size_t{10000}, whole.size() / 2,
+                             whole.size() - 1}) {
+        CAPTURE(keep);
+        CHECK(error_of([&] { (void)llama::gguf::file::open(write_temp("cut_model.gguf", whole.substr(0, keep))); }) ==
+              llama::load_errc::truncated);
+    }
+}
+
 TEST_CASE("model: stories260K hyperparameters come from the metadata") {
     if (!have_data()) return;
     const auto& p = stories().params();
@@ -309,6 +320,21 @@ TEST_CASE("qevict: a prompt prefilled through the cache gives the dense cache's 
     REQUIRE(got.size() == want.size());
     for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-3));
     CHECK(llama::argmax(got) == llama::argmax(want));
+
+    // One decode step: the observer sees every cached token once per layer, and with nothing
+    // evicted the probabilities match the dense cache's head-averaged ones.
+    dense.record_probabilities(true);
+    std::vector<std::vector<double>> seen(m.params().layers, std::vector<double>(prompt.size() + 1, -1.0));
+    kv.set_observer([&](std::size_t layer, const qevict::attention_event& e) {
+        seen[layer].at(static_cast<std::size_t>(e.token)) = e.probability;
+    });
+    (void)m.decode(llama::argmax(want), dense);
+    (void)m.decode(llama::argmax(want), kv);
+    for (std::size_t l = 0; l < m.params().layers; ++l) {
+        const auto reference = dense.head_averaged_probabilities(l);
+        REQUIRE(reference.size() == seen[l].size());
+        for (std::size_t t = 0; t < reference.size(); ++t) CHECK(seen[l][t] == doctest::Approx(reference[t]).epsilon(1e-3));
+    }
 }
 
 TEST_CASE("qevict: at a 20% budget the cache stays within its budget and mostly agrees with the full cache") {
