@@ -1,0 +1,256 @@
+// Bad input: each mistake gets a qevict::error whose message names the problem, and the cache is
+// exactly as it was. "Exactly" is checked against a twin cache that never saw the bad call: the
+// same report, windows and token counts, and bit-identical outputs of the next decode step.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <qevict/cache.hpp>
+
+#include "support/reference.hpp"
+
+using namespace qevict_test;
+
+namespace {
+
+using cfg = qevict::paper_config;
+using cache_t = qevict::cache<cfg>;
+
+const qevict::geometry geo{.layers = 2, .q_heads = 4, .kv_heads = 2, .head_dim = 8};
+constexpr std::size_t krow = 16, qrow = 32;
+// Fixed bytes: sinks 5*128 + recent 47*128 + table 10*12 = 6776; the rest buys K_f = 1, K_q = 19.
+const qevict::budget tight = qevict::budget::bytes_per_sequence_layer(12000);
+const qevict::limits lim{.max_batch = 3, .max_tokens = 80};
+
+/// Two caches fed the same valid calls; the bad calls go to `a` only.
+struct twin {
+  cache_t a, b;
+  rng r{42};
+  std::vector<qevict::sequence_id> ids;
+
+  bool manual;
+
+  explicit twin(qevict::options opt = {})
+      : a(geo, tight, lim, opt), b(geo, tight, lim, opt), manual(opt.routing == qevict::routing_mode::manual) {
+    for (int n : {50, 10}) {
+      const qevict::sequence_id s = a.add_sequence(7);
+      REQUIRE(b.add_sequence(7) == s);
+      ids.push_back(s);
+      for (int l = 0; l < geo.layers; ++l) {
+        const auto q = r.normals(n * qrow), k = r.normals(n * krow), v = r.normals(n * krow);
+        std::vector<float> out(n * qrow);
+        a.prefill(l, s, q, k, v, out);
+        b.prefill(l, s, q, k, v, out);
+      }
+    }
+    for (int t = 0; t < 12; ++t) step();
+  }
+
+  /// One valid decode step of both caches; returns true when their outputs are bit-identical.
+  bool step() {
+    bool same = true;
+    // With manual routing the engine routes: here, whenever a recent region is full.
+    for (qevict::sequence_id s : ids)
+      if (manual && a.counts(s, 0).recent_tokens >= static_cast<std::size_t>(a.plan().recent_capacity)) {
+        a.route(s);
+        b.route(s);
+      }
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto k = r.normals(ids.size() * krow), v = r.normals(ids.size() * krow), q = r.normals(ids.size() * qrow);
+      a.append(l, ids, k, v);
+      b.append(l, ids, k, v);
+      std::vector<float> oa(ids.size() * qrow), ob(ids.size() * qrow);
+      a.attend(l, ids, q, oa);
+      b.attend(l, ids, q, ob);
+      same = same && oa == ob;
+    }
+    return same;
+  }
+
+  /// The whole observable state of `a` equals that of `b`, and the next step agrees.
+  void check_unchanged() {
+    CHECK(a.report().to_string() == b.report().to_string());
+    for (qevict::sequence_id s : ids)
+      for (int l = 0; l < geo.layers; ++l) {
+        CHECK(a.tokens(s, l) == b.tokens(s, l));
+        const auto wa = a.windows(s, l), wb = b.windows(s, l);
+        REQUIRE(wa.size() == wb.size());
+        for (std::size_t i = 0; i < wa.size(); ++i) {
+          CHECK(wa[i].where == wb[i].where);
+          CHECK(wa[i].score == wb[i].score);
+          CHECK(wa[i].has_ledger == wb[i].has_ledger);
+          CHECK(wa[i].first_position == wb[i].first_position);
+        }
+      }
+    for (int t = 0; t < 9; ++t) CHECK(step());  // past the next routing event too
+  }
+};
+
+/// The call throws qevict::error and its message contains `what`.
+template <class F>
+void expect_error(F&& call, const std::string& what) {
+  CAPTURE(what);
+  try {
+    call();
+    FAIL("no qevict::error was thrown");
+  } catch (const qevict::error& e) {
+    const std::string message = e.what();
+    CAPTURE(message);
+    CHECK(message.find(what) != std::string::npos);
+    CHECK(message.rfind("qevict: ", 0) == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("construction: budget too small, external storage too small or misaligned, bad geometry") {
+  expect_error([] { cache_t kv(geo, qevict::budget::bytes_per_sequence_layer(6775), lim); }, "at least 6776 bytes are needed");
+  expect_error([] { cache_t kv(geo, qevict::budget::fraction(0.01), lim); }, "cannot hold the 5 sinks");
+  expect_error([] { cache_t kv(geo, qevict::budget::fraction(1.5), lim); }, "the fraction must be in (0, 1]");
+  const std::size_t need = cache_t::required_bytes(geo, tight, lim);
+  std::vector<std::byte> arena(need + 32);
+  expect_error([&] { cache_t kv(geo, tight, lim, qevict::storage::external{arena.data(), need - 1}); }, "smaller than the");
+  expect_error([&] { cache_t kv(geo, tight, lim, qevict::storage::external{nullptr, need}); }, "null pointer");
+  auto* misaligned = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(arena.data()) + 16) / 16 * 16 + 4);
+  expect_error([&] { cache_t kv(geo, tight, lim, qevict::storage::external{misaligned, need}); }, "16-byte aligned");
+  qevict::geometry odd = geo;
+  odd.q_heads = 3;
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "multiple of kv_heads");
+  odd = geo;
+  odd.head_dim = 12;
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "multiple of 8");
+  expect_error([] { cache_t kv(geo, tight, lim, qevict::options{.observation_window = 0}); }, "observation_window");
+}
+
+TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") {
+  twin t;
+  const qevict::sequence_id s0 = t.ids[0];
+  const qevict::sequence_id fresh = t.a.add_sequence();
+  REQUIRE(t.b.add_sequence() == fresh);
+  const int n = 6;
+  auto q = t.r.normals(n * qrow), k = t.r.normals(n * krow), v = t.r.normals(n * krow);
+  std::vector<float> out(n * qrow);
+  expect_error([&] { t.a.prefill(0, fresh, q, std::span(k).first(k.size() - 1), v, out); }, "not a positive multiple of kv_heads*head_dim");
+  expect_error([&] { t.a.prefill(0, fresh, q, k, std::span(v).first(krow), out); }, "v has 16 floats, expected 96");
+  expect_error([&] { t.a.prefill(0, fresh, std::span(q).first(qrow), k, v, out); }, "q has 32 floats, expected 192");
+  expect_error([&] { t.a.prefill(0, fresh, q, k, v, std::span(out).first(1)); }, "out has 1 floats");
+  expect_error([&] { t.a.prefill(0, fresh, q, std::span<const float>(), v, out); }, "not a positive multiple");
+  auto bad = k;
+  bad[17] = std::numeric_limits<float>::infinity();
+  expect_error([&] { t.a.prefill(0, fresh, q, bad, v, out); }, "prefill: k[17] is infinite");
+  auto nan_q = q;
+  nan_q[3] = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { t.a.prefill(1, fresh, nan_q, k, v, out); }, "prefill: q[3] is NaN");
+  expect_error([&] { t.a.prefill(0, s0, q, k, v, out); }, "already holds 62 tokens in layer 0");
+  expect_error([&] { t.a.prefill(2, fresh, q, k, v, out); }, "layer 2 is out of range [0, 2)");
+  const int big = lim.max_tokens + 1;
+  auto bq = t.r.normals(big * qrow), bk = t.r.normals(big * krow), bv = t.r.normals(big * krow);
+  std::vector<float> bo(big * qrow);
+  expect_error([&] { t.a.prefill(0, fresh, bq, bk, bv, bo); }, "exceeds limits::max_tokens = 80");
+  CHECK(t.a.tokens(fresh, 0) == 0);
+  t.a.remove_sequence(fresh);
+  t.b.remove_sequence(fresh);
+  t.check_unchanged();
+}
+
+TEST_CASE("append and attend: shapes, positions, non-finite values, ids, layers") {
+  twin t;
+  const auto ids = t.ids;
+  auto k = t.r.normals(2 * krow), v = t.r.normals(2 * krow), q = t.r.normals(2 * qrow);
+  std::vector<float> out(2 * qrow);
+  expect_error([&] { t.a.append(0, ids, std::span(k).first(krow), v); }, "append: k has 16 floats, expected 32");
+  expect_error([&] { t.a.append(0, ids, k, std::span(v).first(3)); }, "append: v has 3 floats, expected 32");
+  expect_error([&] { t.a.attend(0, ids, std::span(q).first(qrow), out); }, "attend: q has 32 floats, expected 64");
+  expect_error([&] { t.a.attend(0, ids, q, std::span(out).first(5)); }, "attend: out has 5 floats, expected 64");
+  // Positions: the second sequence's is wrong, so the first must not be appended either.
+  const long long next0 = 7 + t.a.tokens(ids[0], 0), next1 = 7 + t.a.tokens(ids[1], 0);
+  expect_error([&] { t.a.append(0, ids, k, v, std::vector<long long>{next0, next1 + 1}); },
+               "position " + std::to_string(next1 + 1) + " of sequence 1 in layer 0 is not the next position " + std::to_string(next1));
+  expect_error([&] { t.a.append(0, ids, k, v, std::vector<long long>{next0 - 1, next1}); }, "is not the next position");
+  expect_error([&] { t.a.append(0, ids, k, v, std::vector<long long>{next0}); }, "positions has 1 entries for 2 sequences");
+  // Non-finite values in the second sequence's row.
+  auto nan_k = k, inf_v = v, nan_q = q;
+  nan_k[krow + 2] = std::numeric_limits<float>::quiet_NaN();
+  inf_v[krow + 5] = -std::numeric_limits<float>::infinity();
+  nan_q[qrow + 1] = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { t.a.append(0, ids, nan_k, v); }, "append: k[18] is NaN");
+  expect_error([&] { t.a.append(1, ids, k, inf_v); }, "append: v[21] is infinite");
+  expect_error([&] { t.a.attend(0, ids, nan_q, out); }, "attend: q[33] is NaN");
+  // Sequence ids and layers.
+  const std::vector<qevict::sequence_id> unknown = {ids[0], 2}, dup = {ids[1], ids[1]}, negative = {-1, ids[0]};
+  expect_error([&] { t.a.append(0, unknown, k, v); }, "append: sequence 2 is not in the cache");
+  expect_error([&] { t.a.attend(0, negative, q, out); }, "attend: sequence -1 is not in the cache");
+  expect_error([&] { t.a.append(0, dup, k, v); }, "sequence 1 is listed twice in one batch");
+  expect_error([&] { t.a.attend(0, dup, q, out); }, "listed twice");
+  expect_error([&] { t.a.append(2, ids, k, v); }, "append: layer 2 is out of range [0, 2)");
+  expect_error([&] { t.a.attend(-1, ids, q, out); }, "attend: layer -1 is out of range");
+  expect_error([&] { t.a.append(0, std::span<const qevict::sequence_id>(), {}, {}); }, "lists no sequence");
+  expect_error([&] { (void)t.a.tokens(ids[0], 7); }, "tokens: layer 7 is out of range");
+  expect_error([&] { t.a.set_score(ids[0], 0, 0, std::numeric_limits<float>::infinity()); }, "score must be finite");
+  expect_error([&] { t.a.set_score(ids[0], 0, 999, 1.0f); }, "window 999 does not exist");
+  std::vector<float> wk(8 * krow), wv(8 * krow);
+  expect_error([&] { t.a.read_window(ids[0], 0, 0, std::span(wk).first(3), wv); }, "k_post has 3 floats");
+  t.check_unchanged();
+}
+
+TEST_CASE("removed sequences, too many sequences, max_tokens reached, attend before append") {
+  twin t;
+  const qevict::sequence_id extra = t.a.add_sequence();
+  REQUIRE(t.b.add_sequence() == extra);
+  expect_error([&] { (void)t.a.add_sequence(); }, "all 3 sequence slots (limits::max_batch) are in use");
+  expect_error([&] { (void)t.a.add_sequence(-1); }, "first_position must be >= 0");
+  // Attend on a sequence with no token in that layer.
+  const std::vector<qevict::sequence_id> with_empty = {t.ids[0], extra};
+  std::vector<float> q = t.r.normals(2 * qrow), out(2 * qrow);
+  expect_error([&] { t.a.attend(0, with_empty, q, out); }, "sequence 2 has no tokens in layer 0");
+  t.a.remove_sequence(extra);
+  t.b.remove_sequence(extra);
+  const std::vector<qevict::sequence_id> removed = {extra};
+  const auto k = t.r.normals(krow), v = t.r.normals(krow);
+  expect_error([&] { t.a.append(0, removed, k, v); }, "sequence 2 is not in the cache");
+  expect_error([&] { t.a.remove_sequence(extra); }, "remove_sequence: sequence 2 is not in the cache");
+  expect_error([&] { (void)t.a.windows(extra, 0); }, "windows: sequence 2 is not in the cache");
+  expect_error([&] { t.a.route(extra); }, "route: sequence 2 is not in the cache");
+  t.check_unchanged();
+
+  // Fill sequence 1 of both caches to max_tokens, then one more append must fail in the batch.
+  const std::vector<qevict::sequence_id> one = {t.ids[1]};
+  while (t.a.tokens(t.ids[1], 0) < lim.max_tokens)
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto kk = t.r.normals(krow), vv = t.r.normals(krow), qq = t.r.normals(qrow);
+      std::vector<float> oa(qrow), ob(qrow);
+      t.a.append(l, one, kk, vv);
+      t.b.append(l, one, kk, vv);
+      t.a.attend(l, one, qq, oa);
+      t.b.attend(l, one, qq, ob);
+    }
+  const auto k2 = t.r.normals(2 * krow), v2 = t.r.normals(2 * krow);
+  expect_error([&] { t.a.append(0, t.ids, k2, v2); }, "sequence 1 reached limits::max_tokens = 80 in layer 0");
+  CHECK(t.a.report().to_string() == t.b.report().to_string());
+  CHECK(t.a.tokens(t.ids[0], 0) == t.b.tokens(t.ids[0], 0));
+}
+
+TEST_CASE("manual routing: append into a full recent region is refused until route()") {
+  twin t(qevict::options{.routing = qevict::routing_mode::manual});
+  const std::vector<qevict::sequence_id> one = {t.ids[1]};
+  // Fill the recent region of sequence 1 (capacity 47 tokens) in both caches.
+  while (t.a.counts(t.ids[1], 0).recent_tokens < 47u)
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto kk = t.r.normals(krow), vv = t.r.normals(krow);
+      t.a.append(l, one, kk, vv);
+      t.b.append(l, one, kk, vv);
+    }
+  const auto k = t.r.normals(2 * krow), v = t.r.normals(2 * krow);
+  expect_error([&] { t.a.append(0, t.ids, k, v); },
+               "append: the recent region of sequence 1 in layer 0 is full; with routing_mode::manual call route() first");
+  CHECK(t.a.report().to_string() == t.b.report().to_string());
+  // route() makes room; the next steps (appends to both sequences) then succeed in both caches.
+  t.a.route(t.ids[1]);
+  t.b.route(t.ids[1]);
+  CHECK(t.a.counts(t.ids[1], 0).recent_tokens < 47u);
+  t.check_unchanged();
+}
