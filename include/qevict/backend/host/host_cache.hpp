@@ -645,10 +645,14 @@ class host_cache {
       source(c.window, kw, vw);
       store_full(region, lane, table[c.window], kw, vw);
     }
+    // A routing event acts on the history of every live window, the recent ones included: a
+    // decaying scorer must discount the mass a window gathered while it was still recent, or that
+    // window would out-rank older windows with the same attention at the same age.
     for (std::size_t i = 0; i < n; ++i) {
       window_record& rec = table[candidates_[i].window];
       rec.score = scorer::after_routing(rec.score);
     }
+    for (int w = aged_after; w < windows_started(lane.tokens); ++w) table[w].score = scorer::after_routing(table[w].score);
     lane.aged = aged_after;
     lane.steps_since_route = 0;
   }
