@@ -161,6 +161,7 @@ struct reference_run {
     std::vector<std::vector<float>> q_last, k, v;        // per layer, pre-RoPE
     std::vector<float> logits;                           // [D][vocab]; row τ-1 predicts continuation[τ]
     std::vector<std::vector<std::vector<float>>> probs;  // [layer][τ-1][token]: head-averaged, P + τ tokens
+    std::size_t kv_bytes = 0;                            // the dense cache's bytes after the last step
     double seconds = 0;
 };
 
@@ -189,6 +190,7 @@ inline reference_run run_reference(const llama::model& m, const prompt_case& c, 
         r.logits.insert(r.logits.end(), logits.begin(), logits.end());
         for (std::size_t l = 0; l < p.layers; ++l) r.probs[l].push_back(dense.head_averaged_probabilities(l));
     }
+    r.kv_bytes = dense.kv_bytes();
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
 }
@@ -441,10 +443,38 @@ method_result run_method(const llama::model& m, const prompt_case& c, const refe
     return r;
 }
 
+// The reference itself as a row: method "full", budget "full" (the dense float32 cache).
+inline method_result full_cache_row(const prompt_case& c, const reference_run& ref) {
+    method_result r;
+    r.text = c.text;
+    r.context = c.context;
+    r.prompt_index = c.index;
+    r.method = "full";
+    r.budget_label = "full";
+    r.budget_fraction = 1.0;
+    r.fits = true;
+    r.decode_steps = ref.decode_steps;
+    r.max_tokens = ref.prompt_tokens + ref.decode_steps;
+    r.budget_bytes = r.used_bytes = r.full_cache_bytes = ref.kv_bytes;
+    double nll = 0;
+    std::vector<double> lp;
+    for (std::size_t t = 1; t <= ref.decode_steps; ++t) {
+        detail::log_softmax(std::span<const float>(ref.logits.data() + (t - 1) * ref.vocab, ref.vocab), lp);
+        nll -= lp[static_cast<std::size_t>(c.continuation[t])];
+    }
+    r.top1 = 1.0;
+    r.kl = 0.0;
+    r.ppl_full = r.ppl_method = std::exp(nll / static_cast<double>(ref.decode_steps));
+    r.ppl_ratio = 1.0;
+    r.seconds = ref.seconds;
+    return r;
+}
+
 // ---- the whole evaluation -------------------------------------------------------------------------
 
 // Runs every (text, prompt, context, method, budget) of `opt` and returns one result each, in
-// that order. `on_result` (optional) sees each result as soon as it exists.
+// that order, each (text, prompt, context) led by its full-cache row (full_cache_row).
+// `on_result` (optional) sees each result as soon as it exists.
 inline std::vector<method_result> run_evaluation(const llama::model& m, const eval_options& opt,
                                                  const std::function<void(const method_result&)>& on_result = {}) {
     // Which methods, in for_each_method's order.
@@ -481,6 +511,11 @@ inline std::vector<method_result> run_evaluation(const llama::model& m, const ev
                     *opt.progress << "reference " << text_name << " " << ctx << " (prompt " << pi << "): "
                                   << ref.seconds << " s\n"
                                   << std::flush;
+                {
+                    method_result full = full_cache_row(c, ref);
+                    if (on_result) on_result(full);
+                    results.push_back(std::move(full));
+                }
                 for_each_method([&]<class Config>(std::string_view name) {
                     if (!selected(name)) return;
                     for (const auto& b : opt.budgets) {

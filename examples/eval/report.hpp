@@ -111,11 +111,11 @@ inline figure_setting pick_figure_setting(const std::vector<method_result>& resu
     figure_setting f;
     double best_fraction = -1;
     for (const auto& r : results) {
-        if (!r.fits || r.budget_fraction <= 0) continue;
+        if (!r.fits || r.budget_fraction <= 0 || r.method == "full") continue;
         if (f.context == 0 || r.context < f.context) f.context = r.context;
     }
     for (const auto& r : results) {
-        if (!r.fits || r.budget_fraction <= 0 || r.context != f.context) continue;
+        if (!r.fits || r.budget_fraction <= 0 || r.method == "full" || r.context != f.context) continue;
         const bool paper = std::abs(r.budget_fraction - 0.20) < 1e-9;
         if (paper || (best_fraction != 0.20 && r.budget_fraction > best_fraction)) {
             best_fraction = paper ? 0.20 : r.budget_fraction;
@@ -132,7 +132,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
     std::vector<std::string> methods;
     std::vector<std::size_t> contexts;
     for (const auto& r : results) {
-        if (std::find(methods.begin(), methods.end(), r.method) == methods.end()) methods.push_back(r.method);
+        if (r.method != "full" && std::find(methods.begin(), methods.end(), r.method) == methods.end()) methods.push_back(r.method);
         if (std::find(contexts.begin(), contexts.end(), r.context) == contexts.end()) contexts.push_back(r.context);
     }
     std::sort(contexts.begin(), contexts.end());
@@ -247,7 +247,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
             gp << "set terminal pngcairo size 720,460 font 'sans,10'\nset output 'fmm.png'\n"
                   "set title 'Future Missed Mass, context "
                << fig.context << ", budget " << fig.budget
-               << "'\nset xlabel 'decode step t'\nset ylabel 'FMM(t)'\nset yrange [0:*]\nset xrange [*:*]\nset key top right\n"
+               << "'\nset xlabel 'decode step t'\nset ylabel 'FMM(t)'\nset yrange [0:*]\nset xrange [0:*]\nset key top right\n"
                   "plot ";
             bool first = true;
             int lt = 1;
@@ -261,7 +261,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
             }
             gp << "\n";
         }
-        gp << "set terminal pngcairo size " << 200 + 90 * 2 * contexts.size()
+        gp << "set terminal pngcairo size " << std::max<std::size_t>(560, 260 + 90 * 2 * contexts.size())
            << ",460 font 'sans,10'\nset output 'mass_split.png'\n"
               "set title 'Reference attention mass by tier, budget "
            << fig.budget

@@ -97,27 +97,38 @@ TEST_CASE("tiny configuration: CSV rows and sane metrics") {
     if (!have_data()) return;
     const auto opt = quick();
     const auto results = qevict_eval::run_evaluation(stories(), opt);
-    REQUIRE(results.size() == 2);
-    CHECK(results[0].method == "qevict");
-    CHECK(results[1].method == "r2");
-    for (const auto& r : results) {
+    REQUIRE(results.size() == 3);
+    // The reference row comes first: the dense cache itself.
+    const auto& full = results[0];
+    CHECK(full.method == "full");
+    CHECK(full.top1 == 1.0);
+    CHECK(full.kl == 0.0);
+    CHECK(full.ppl_ratio == 1.0);
+    CHECK(full.used_bytes == full.full_cache_bytes);
+    CHECK(results[1].method == "qevict");
+    CHECK(results[2].method == "r2");
+    for (std::size_t i = 1; i < results.size(); ++i) {
+        const auto& r = results[i];
         CHECK(r.text == "tinystories");
         CHECK(r.context == 512);
         CHECK(r.budget_label == "20%");
         check_sane(r);
+        // Every run is judged against the one reference.
+        CHECK(r.ppl_full == doctest::Approx(full.ppl_method).epsilon(1e-12));
+        CHECK(r.full_cache_bytes == full.used_bytes);
+        CHECK(r.used_bytes < full.used_bytes / 4);
     }
-    // Both runs are judged against one reference: the same full-cache perplexity.
-    CHECK(results[0].ppl_full == results[1].ppl_full);
+    const auto results_q = std::vector<qevict_eval::method_result>(results.begin() + 1, results.end());
     // The three-tier cache keeps quantized windows and scores them; the two-tier one has none.
-    CHECK(results[0].k_quantized > 0);
-    CHECK(results[0].mass_quantized > 0.0);
-    CHECK(std::isfinite(results[0].score_agreement));
-    CHECK(results[0].score_agreement > 0.5);
-    CHECK(results[0].score_agreement <= 1.0 + 1e-9);
-    CHECK(results[1].k_quantized == 0);
-    CHECK(results[1].mass_quantized == 0.0);
-    CHECK(std::isnan(results[1].score_agreement));
-    CHECK(results[1].fmm == doctest::Approx(results[1].fmm_no_quant));
+    CHECK(results_q[0].k_quantized > 0);
+    CHECK(results_q[0].mass_quantized > 0.0);
+    CHECK(std::isfinite(results_q[0].score_agreement));
+    CHECK(results_q[0].score_agreement > 0.5);
+    CHECK(results_q[0].score_agreement <= 1.0 + 1e-9);
+    CHECK(results_q[1].k_quantized == 0);
+    CHECK(results_q[1].mass_quantized == 0.0);
+    CHECK(std::isnan(results_q[1].score_agreement));
+    CHECK(results_q[1].fmm == doctest::Approx(results_q[1].fmm_no_quant));
 
     const fs::path dir = fs::temp_directory_path() / "qevict_test_eval";
     fs::create_directories(dir);
@@ -126,7 +137,7 @@ TEST_CASE("tiny configuration: CSV rows and sane metrics") {
     std::string line;
     std::vector<std::vector<std::string>> rows;
     while (std::getline(in, line)) rows.push_back(split_csv_line(line));
-    REQUIRE(rows.size() == 3);
+    REQUIRE(rows.size() == 4);
     const auto& header = rows[0];
     for (const auto& row : rows) CHECK(row.size() == header.size());
     auto column = [&](const std::string& name) {
@@ -135,12 +146,13 @@ TEST_CASE("tiny configuration: CSV rows and sane metrics") {
         FAIL("no column " << name);
         return std::size_t{0};
     };
-    CHECK(rows[1][column("method")] == "qevict");
-    CHECK(rows[2][column("method")] == "r2");
-    CHECK(rows[1][column("fits")] == "1");
-    CHECK(std::stod(rows[1][column("top1")]) == doctest::Approx(results[0].top1));
-    CHECK(std::stod(rows[2][column("kl")]) == doctest::Approx(results[1].kl).epsilon(1e-5));
-    CHECK(rows[2][column("score_agreement")] == "nan");
+    CHECK(rows[1][column("method")] == "full");
+    CHECK(rows[2][column("method")] == "qevict");
+    CHECK(rows[3][column("method")] == "r2");
+    CHECK(rows[2][column("fits")] == "1");
+    CHECK(std::stod(rows[2][column("top1")]) == doctest::Approx(results_q[0].top1));
+    CHECK(std::stod(rows[3][column("kl")]) == doctest::Approx(results_q[1].kl).epsilon(1e-5));
+    CHECK(rows[3][column("score_agreement")] == "nan");
     fs::remove_all(dir);
 }
 
@@ -150,8 +162,8 @@ TEST_CASE("a budget that keeps everything agrees with the full cache") {
     opt.methods = {"qevict"};
     opt.budgets = {qevict_eval::parse_budget("all")};
     const auto results = qevict_eval::run_evaluation(stories(), opt);
-    REQUIRE(results.size() == 1);
-    const auto& r = results[0];
+    REQUIRE(results.size() == 2);
+    const auto& r = results[1];
     check_sane(r);
     CHECK(r.top1 == 1.0);
     CHECK(r.kl < 1e-6);
@@ -167,11 +179,11 @@ TEST_CASE("a budget too small for the protected regions is recorded as not fitti
     opt.methods = {"qevict"};
     opt.budgets = {qevict_eval::parse_budget("1%")};
     const auto results = qevict_eval::run_evaluation(stories(), opt);
-    REQUIRE(results.size() == 1);
-    CHECK_FALSE(results[0].fits);
-    CHECK(results[0].note.find("qevict:") != std::string::npos);
-    CHECK(std::isnan(results[0].top1));
-    const std::string row = qevict_eval::csv_row(results[0]);
+    REQUIRE(results.size() == 2);
+    CHECK_FALSE(results[1].fits);
+    CHECK(results[1].note.find("qevict:") != std::string::npos);
+    CHECK(std::isnan(results[1].top1));
+    const std::string row = qevict_eval::csv_row(results[1]);
     CHECK(row.find(",0,") != std::string::npos);
     CHECK(row.find("does not fit") != std::string::npos);
 }
