@@ -35,7 +35,8 @@ template <class Config, class Backend = backend::host>
 class cache {
   static_assert(scorer_policy<typename Config::scorer>,
                 "qevict::cache: Config::scorer does not model qevict::scorer_policy "
-                "(needs name, float accumulate(float, float) and float after_routing(float))");
+                "(derive from scorers::scorer_defaults; needs name, token_signal, prefill_aggregation, "
+                "prefill_pooling, initial_score(int), accumulate(float, float), after_routing(float))");
   static_assert(quantizer_policy<typename Config::quantizer>,
                 "qevict::cache: Config::quantizer does not model qevict::quantizer_policy "
                 "(needs bits, layout(tokens, heads, dim), quantize, dequantize_key, dequantize_value)");
@@ -43,7 +44,13 @@ class cache {
                 "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");
   static_assert(allocator_policy<typename Config::allocator>,
                 "qevict::cache: Config::allocator does not model qevict::allocator_policy "
-                "(needs capacities split(hist, M_f, M_q) and bytes_for_all_full(windows, M_f))");
+                "(needs name, keeps_everything, capacities split(hist, M_f, M_q) and bytes_to_keep_all(units, M_f, M_q))");
+  static_assert(routing_policy<typename Config::routing_policy>,
+                "qevict::cache: Config::routing_policy does not model qevict::routing_policy (needs name, rerank_after_first_event)");
+  static_assert(selection_policy<typename Config::selection_policy>,
+                "qevict::cache: Config::selection_policy does not model qevict::selection_policy (needs name, splits_heads)");
+  static_assert(full_tier_policy<typename Config::full_tier_policy>,
+                "qevict::cache: Config::full_tier_policy does not model qevict::full_tier_policy (needs name, quantized)");
   static_assert(rope_policy<typename Config::rope>,
                 "qevict::cache: Config::rope does not model qevict::rope_policy (needs rotates, inverse_frequencies, rotate)");
 

@@ -9,12 +9,17 @@
 #include "qevict/core/geometry.hpp"
 #include "qevict/policies/allocators.hpp"
 #include "qevict/policies/quantizers.hpp"
+#include "qevict/policies/scorers.hpp"
 
 namespace qevict {
 
 template <class S>
-concept scorer_policy = requires(float score, float mass) {
+concept scorer_policy = requires(float score, float mass, int window) {
   { S::name } -> std::convertible_to<const char*>;
+  { S::token_signal } -> std::convertible_to<scorers::signal>;
+  { S::prefill_aggregation } -> std::convertible_to<scorers::aggregation>;
+  { S::prefill_pooling } -> std::convertible_to<int>;
+  { S::initial_score(window) } -> std::same_as<float>;
   { S::accumulate(score, mass) } -> std::same_as<float>;
   { S::after_routing(score) } -> std::same_as<float>;
 };
@@ -38,8 +43,28 @@ concept window_policy = requires {
 
 template <class A>
 concept allocator_policy = requires(std::size_t n) {
+  { A::name } -> std::convertible_to<const char*>;
+  { A::keeps_everything } -> std::convertible_to<bool>;
   { A::split(n, n, n) } -> std::same_as<capacities>;
-  { A::bytes_for_all_full(n, n) } -> std::convertible_to<std::size_t>;
+  { A::bytes_to_keep_all(n, n, n) } -> std::convertible_to<std::size_t>;
+};
+
+template <class R>
+concept routing_policy = requires {
+  { R::name } -> std::convertible_to<const char*>;
+  { R::rerank_after_first_event } -> std::convertible_to<bool>;
+};
+
+template <class S>
+concept selection_policy = requires {
+  { S::name } -> std::convertible_to<const char*>;
+  { S::splits_heads } -> std::convertible_to<bool>;
+};
+
+template <class F>
+concept full_tier_policy = requires {
+  { F::name } -> std::convertible_to<const char*>;
+  { F::quantized } -> std::convertible_to<bool>;
 };
 
 template <class R>

@@ -4,6 +4,7 @@
 // Every size here is exact and every term is reported; both backends use this one plan.
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -69,13 +70,16 @@ struct region_plan {
   element_type element = element_type::f32;
   // window policy and routing
   int window = 0, sinks = 0, recent = 0, routing_interval = 0;
+  int units = 1;            ///< routing units per window: 1, or kv_heads with selection::per_kv_head
+  int heads_per_unit = 0;   ///< KV heads one unit covers
   int recent_capacity = 0;  ///< tokens: recent + window - 1 + Ω (the most the region holds)
   int max_tokens = 0;
   int max_windows = 0;
   // sizes in bytes
   std::size_t token_bytes = 0;        ///< one token, keys and values, all KV heads
-  std::size_t full_window_bytes = 0;  ///< M_f
-  quantizers::record_layout record{};  ///< M_q = record.window_bytes()
+  std::size_t full_window_bytes = 0;  ///< M_f of one routing unit (a window, or one KV head of it)
+  quantizers::record_layout record{};  ///< ledger record of one unit; M_q = record.window_bytes()
+  quantizers::record_layout full_record{};  ///< top-tier record when the full tier is quantized
   std::size_t budget_bytes = 0;       ///< B_total
   std::size_t hist_bytes = 0;         ///< B_hist = B_total − B_sink − B_local − tables
   capacities caps{};                  ///< K_f, K_q
@@ -85,7 +89,8 @@ struct region_plan {
 
   constexpr std::size_t sink_bytes() const { return static_cast<std::size_t>(sinks) * token_bytes; }
   constexpr std::size_t recent_bytes() const { return static_cast<std::size_t>(recent_capacity) * token_bytes; }
-  constexpr std::size_t table_bytes() const { return static_cast<std::size_t>(max_windows) * sizeof(window_record); }
+  constexpr std::size_t table_entries() const { return static_cast<std::size_t>(max_windows) * units; }
+  constexpr std::size_t table_bytes() const { return table_entries() * sizeof(window_record); }
   constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
 
   /// What the region reserves, by term (ledger copies share the quantized pool).
@@ -107,6 +112,7 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   using W = typename Config::window_policy;
   using Q = typename Config::quantizer;
   using A = typename Config::allocator;
+  using F = typename Config::full_tier_policy;
   detail::require(g.layers > 0 && g.q_heads > 0 && g.kv_heads > 0 && g.head_dim > 0,
                   "geometry: layers, q_heads, kv_heads and head_dim must all be positive");
   detail::require(g.q_heads % g.kv_heads == 0,
@@ -130,9 +136,16 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.recent_capacity = W::recent + W::size - 1 + Config::routing_interval;
   p.max_tokens = lim.max_tokens;
   p.max_windows = lim.max_tokens > W::sinks ? (lim.max_tokens - W::sinks + W::size - 1) / W::size : 0;
+  p.units = Config::selection_policy::splits_heads ? g.kv_heads : 1;
+  p.heads_per_unit = g.kv_heads / p.units;
   p.token_bytes = g.token_bytes();
-  p.full_window_bytes = static_cast<std::size_t>(W::size) * p.token_bytes;
-  p.record = Q::layout(W::size, g.kv_heads, g.head_dim);
+  p.record = Q::layout(W::size, p.heads_per_unit, g.head_dim);
+  if constexpr (F::quantized) {
+    p.full_record = F::quantizer::layout(W::size, p.heads_per_unit, g.head_dim);
+    p.full_window_bytes = p.full_record.window_bytes();
+  } else {
+    p.full_window_bytes = static_cast<std::size_t>(W::size) * p.token_bytes / p.units;
+  }
 
   const std::size_t fixed = p.sink_bytes() + p.recent_bytes() + p.table_bytes();
   switch (b.what()) {
@@ -144,7 +157,7 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
     }
     case budget::kind::bytes: p.budget_bytes = b.bytes_value(); break;
     case budget::kind::everything:
-      p.budget_bytes = fixed + A::bytes_for_all_full(static_cast<std::size_t>(p.max_windows), p.full_window_bytes);
+      p.budget_bytes = fixed + A::bytes_to_keep_all(p.table_entries(), p.full_window_bytes, p.quantized_window_bytes());
       break;
   }
   detail::require(p.budget_bytes >= fixed,
@@ -156,8 +169,15 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.hist_bytes = p.budget_bytes - fixed;
   p.caps = A::split(p.hist_bytes, p.full_window_bytes, p.quantized_window_bytes());
   // Never reserve more than the windows that can exist.
-  if (p.caps.full > static_cast<std::size_t>(p.max_windows)) p.caps.full = static_cast<std::size_t>(p.max_windows);
-  if (p.caps.quantized > static_cast<std::size_t>(p.max_windows)) p.caps.quantized = static_cast<std::size_t>(p.max_windows);
+  p.caps.full = std::min(p.caps.full, p.table_entries());
+  p.caps.quantized = std::min(p.caps.quantized, p.table_entries());
+  if constexpr (A::keeps_everything) {
+    const std::size_t need = fixed + A::bytes_to_keep_all(p.table_entries(), p.full_window_bytes, p.quantized_window_bytes());
+    detail::require(p.caps.full + p.caps.quantized >= p.table_entries(),
+                    std::string("budget of ") + std::to_string(p.budget_bytes) + " bytes per sequence per layer: allocator " +
+                        A::name + " never evicts, so it needs at least " + std::to_string(need) + " bytes for " +
+                        std::to_string(lim.max_tokens) + " tokens");
+  }
 
   p.table_offset = 0;
   p.sink_offset = p.table_offset + p.table_bytes();

@@ -36,6 +36,7 @@ struct layer_report {
 struct budget_report {
   std::vector<layer_report> layers;
   std::size_t sequences = 0;
+  std::size_t units = 1;  ///< routing units per window (KV heads with per-KV-head selection)
   std::size_t budget_per_sequence_layer = 0;
   capacities caps;
   std::size_t full_window_bytes = 0;
@@ -55,8 +56,9 @@ struct budget_report {
       s += line;
     };
     std::snprintf(line, sizeof line,
-                  "qevict budget report: %zu sequence(s), %zu layer(s), K_f = %zu, K_q = %zu, M_f = %zu B, M_q = %zu B\n",
-                  sequences, layers.size(), caps.full, caps.quantized, full_window_bytes, quantized_window_bytes);
+                  "qevict budget report: %zu sequence(s), %zu layer(s), K_f = %zu, K_q = %zu, M_f = %zu B, M_q = %zu B%s\n",
+                  sequences, layers.size(), caps.full, caps.quantized, full_window_bytes, quantized_window_bytes,
+                  units > 1 ? " (per KV head)" : "");
     s += line;
     const byte_terms u = used_total(), r = reserved_total();
     std::snprintf(line, sizeof line, "  %-22s %14s %14s\n", "term (all layers)", "held [B]", "reserved [B]");
@@ -88,6 +90,7 @@ struct window_info {
   tier where = tier::recent;
   float score = 0.0f;
   bool has_ledger = false;
+  int unit = 0;  ///< routing unit: 0, or the KV head with selection::per_kv_head
 };
 
 }  // namespace qevict

@@ -20,6 +20,8 @@ struct three_tier {
   static_assert(QPercent >= 0 && QPercent <= 100, "qevict::allocators::three_tier<QPercent>: QPercent must be in [0, 100]");
   static constexpr const char* name = QPercent == 0 ? "two_tier" : "three_tier";
   static constexpr int quantized_percent = QPercent;
+  /// Whether the method is defined only when nothing is ever evicted.
+  static constexpr bool keeps_everything = false;
   static constexpr capacities split(std::size_t hist_bytes, std::size_t full_window_bytes,
                                     std::size_t quantized_window_bytes) {
     capacities c;
@@ -29,7 +31,7 @@ struct three_tier {
                       : (static_cast<std::uint64_t>(QPercent) * hist_bytes) / (100u * quantized_window_bytes);
     return c;
   }
-  /// The smallest historical budget that gives K_f >= windows (used by budget::everything()).
+  /// The smallest historical budget that gives K_f >= windows.
   static constexpr std::size_t bytes_for_all_full(std::size_t windows, std::size_t full_window_bytes) {
     if constexpr (QPercent == 100) {
       return 0;
@@ -38,10 +40,28 @@ struct three_tier {
       return (need + (100u - QPercent) - 1u) / (100u - QPercent);
     }
   }
+  /// The smallest historical budget that keeps every window (used by budget::everything()).
+  static constexpr std::size_t bytes_to_keep_all(std::size_t windows, std::size_t full_window_bytes, std::size_t) {
+    return bytes_for_all_full(windows, full_window_bytes);
+  }
 };
 
 /// Full precision plus eviction only (the paper's ablation R2): q = 0.
 using two_tier = three_tier<0>;
+
+/// Every window outside the sinks and the recent region is quantized and nothing is evicted
+/// (KIVI, KVQuant). The budget must hold a record for every window the sequence can have.
+struct quantize_all {
+  static constexpr const char* name = "quantize_all";
+  static constexpr int quantized_percent = 100;
+  static constexpr bool keeps_everything = true;
+  static constexpr capacities split(std::size_t hist_bytes, std::size_t, std::size_t quantized_window_bytes) {
+    return capacities{0, quantized_window_bytes ? hist_bytes / quantized_window_bytes : 0};
+  }
+  static constexpr std::size_t bytes_to_keep_all(std::size_t windows, std::size_t, std::size_t quantized_window_bytes) {
+    return windows * quantized_window_bytes;
+  }
+};
 
 }  // namespace allocators
 }  // namespace qevict

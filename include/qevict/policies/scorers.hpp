@@ -1,28 +1,79 @@
 #pragma once
-// Scorer policies: how a window's per-step attention mass accumulates into the score that
+// Scorer policies: what a window's importance is and how it accumulates into the score that
 // routing ranks by. The mass of a window at one step is its attention probability summed over
 // its tokens and averaged over query heads (Eq. 1's two inner sums and 1/H_q).
+//
+// A scorer answers five questions, all at compile time:
+//   signal            what one attended token contributes: its probability, its probability
+//                     times the norm of its value vector, or nothing (position-only scorers)
+//   aggregation       how the prefill's observation queries combine: summed (Eq. 1) or the
+//                     maximum over queries (a worst-case estimate)
+//   pooling           max-pooling width over neighbouring windows, applied to prefill scores
+//   initial_score(w)  the score a window starts with
+//   accumulate / after_routing   how step masses add up, and what a routing event does to them
 
 #include "qevict/core/platform.hpp"
 
 namespace qevict::scorers {
 
-/// Eq. 1: the plain sum over every step since the window appeared; never decays.
-struct cumulative_mass {
-  static constexpr const char* name = "cumulative_mass";
+enum class signal { attention, value_weighted_attention, none };
+enum class aggregation { sum, max };
+
+/// Defaults every scorer inherits; a scorer overrides what it changes.
+struct scorer_defaults {
+  static constexpr signal token_signal = signal::attention;
+  static constexpr aggregation prefill_aggregation = aggregation::sum;
+  static constexpr int prefill_pooling = 1;
+  QEVICT_HOST_DEVICE static float initial_score(int /*window*/) { return 0.0f; }
   QEVICT_HOST_DEVICE static float accumulate(float score, float step_mass) { return score + step_mass; }
   QEVICT_HOST_DEVICE static float after_routing(float score) { return score; }
+};
+
+/// Eq. 1: the plain sum over every step since the window appeared; never decays.
+struct cumulative_mass : scorer_defaults {
+  static constexpr const char* name = "cumulative_mass";
 };
 
 /// Like cumulative_mass, but every routing event multiplies the history by Permille/1000, so
 /// attention from long ago counts less than recent attention.
 template <int Permille = 900>
-struct decaying_mass {
+struct decaying_mass : scorer_defaults {
   static_assert(Permille > 0 && Permille <= 1000, "qevict::scorers::decaying_mass<Permille>: Permille must be in (0, 1000]");
   static constexpr const char* name = "decaying_mass";
   static constexpr float decay = static_cast<float>(Permille) / 1000.0f;
-  QEVICT_HOST_DEVICE static float accumulate(float score, float step_mass) { return score + step_mass; }
   QEVICT_HOST_DEVICE static float after_routing(float score) { return score * decay; }
+};
+
+/// Newer windows rank higher, whatever the attention (StreamingLLM's sliding window).
+struct recency : scorer_defaults {
+  static constexpr const char* name = "recency";
+  static constexpr signal token_signal = signal::none;
+  QEVICT_HOST_DEVICE static float initial_score(int window) { return static_cast<float>(window) + 1.0f; }
+  QEVICT_HOST_DEVICE static float accumulate(float score, float) { return score; }
+};
+
+/// Observation-window scores max-pooled over `Pooling` neighbouring windows (SnapKV's clustering
+/// of selected tokens), cumulative afterwards.
+template <int Pooling = 7>
+struct pooled_observation : scorer_defaults {
+  static_assert(Pooling >= 1 && Pooling % 2 == 1, "qevict::scorers::pooled_observation<Pooling>: Pooling must be odd and >= 1");
+  static constexpr const char* name = "pooled_observation";
+  static constexpr int prefill_pooling = Pooling;
+};
+
+/// Attention weighted by the norm of the attended value vector (CriticalKV's value-aware score,
+/// with ‖v‖ standing in for ‖W_o v‖).
+struct value_weighted_mass : scorer_defaults {
+  static constexpr const char* name = "value_weighted_mass";
+  static constexpr signal token_signal = signal::value_weighted_attention;
+};
+
+/// Prefill scores take each window's worst case (largest mass) over the observation queries
+/// instead of their sum, hedging against queries that attend differently later (DefensiveKV's
+/// robust aggregation, simplified).
+struct defensive_mass : scorer_defaults {
+  static constexpr const char* name = "defensive_mass";
+  static constexpr aggregation prefill_aggregation = aggregation::max;
 };
 
 }  // namespace qevict::scorers

@@ -11,6 +11,10 @@
 //   for each KV head h: keys [C][head_dim], then values [C][head_dim], in the element type.
 // Keys are stored after RoPE (so attention over full-precision tokens is a plain dot product);
 // the quantized records hold keys before RoPE.
+//
+// Routing units: with selection::per_layer a window is one unit (all KV heads move together);
+// with selection::per_kv_head each KV head of a window is its own unit, with its own table entry
+// (index window * units + head), Full slot and ledger record. Everything below works on units.
 
 #include <algorithm>
 #include <cmath>
@@ -34,7 +38,10 @@ struct attention_event {
   int token = 0;        ///< token index in the sequence (0 = first token)
   int window = -1;      ///< window index, or -1 for a sink token
   tier where = tier::sink;
-  double probability = 0.0;  ///< attention probability averaged over query heads
+  int unit = 0;              ///< routing unit: 0, or the KV head with selection::per_kv_head
+  /// Attention probability summed over the unit's query heads, divided by all query heads, so
+  /// that the events of one step sum to 1 over every token and unit.
+  double probability = 0.0;
 };
 
 /// The observer used when none is given.
@@ -59,6 +66,8 @@ class host_cache {
   using quantizer = typename Config::quantizer;
   using scorer = typename Config::scorer;
   using rope = typename Config::rope;
+  using full_tier = typename Config::full_tier_policy;
+  static constexpr bool rerank = Config::routing_policy::rerank_after_first_event;
 
  public:
   host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
@@ -90,14 +99,16 @@ class host_cache {
     values_.resize(max_access * d);
     logits_.resize(max_access);
     token_mass_.resize(max_access);
+    token_score_.resize(max_access);
     token_index_.resize(max_access);
     window_mass_.resize(static_cast<std::size_t>(plan_.max_windows) + 1);
     query_.resize(d);
     head_out_.resize(d);
-    const std::size_t window_floats = static_cast<std::size_t>(plan_.window) * g.kv_heads * d;
+    const std::size_t window_floats = std::max(static_cast<std::size_t>(plan_.window) * plan_.heads_per_unit,
+                                               static_cast<std::size_t>(g.kv_heads)) * d;
     window_keys_.resize(window_floats);
     window_values_.resize(window_floats);
-    candidates_.resize(static_cast<std::size_t>(plan_.max_windows));
+    candidates_.resize(plan_.table_entries());
   }
 
   // ---- sizes -------------------------------------------------------------------------------
@@ -149,15 +160,20 @@ class host_cache {
     for (int i = 0; i < q_rows; ++i)
       for (int h = 0; h < hq; ++h)
         rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &prefill_queries_[i * qrow + h * d], p0 + q0 + i);
-    // Exact causal attention over the prompt; the last `observation_window` queries score windows.
+    // Exact causal attention over the prompt; the last `observation_window` queries score windows:
+    // each query's window masses (per unit) are combined by the scorer's aggregation.
     const int first_observer = std::max(q0, n - opt_.observation_window);
-    std::vector<double> mass(static_cast<std::size_t>(plan_.max_windows) + 1, 0.0);
+    const int U = plan_.units, started = windows_started(n);
+    const double unit_queries = static_cast<double>(hq) / U;
+    std::vector<double> mass(static_cast<std::size_t>(started) * U, 0.0), query_mass(mass.size());
     std::vector<double> logits(static_cast<std::size_t>(n));
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     const int group = hq / hkv;
     for (int i = out ? q0 : first_observer; i < n; ++i) {
+      const bool observer = i >= first_observer;
+      std::fill(query_mass.begin(), query_mass.end(), 0.0);
       for (int h = 0; h < hq; ++h) {
-        const int kvh = h / group;
+        const int kvh = h / group, u = kvh / plan_.heads_per_unit;
         const float* qi = &prefill_queries_[(i - q0) * qrow + h * d];
         double m = -INFINITY;
         for (int j = 0; j <= i; ++j) {
@@ -174,28 +190,48 @@ class host_cache {
           const double p = logits[static_cast<std::size_t>(j)] / sum;
           const float* vj = &v[j * krow + kvh * d];
           for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vj[c];
-          if (i >= first_observer && j >= plan_.sinks) mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window)] += p / hq;
+          if (observer && j >= plan_.sinks)
+            query_mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window * U + u)] += token_weight(vj) * p / unit_queries;
         }
         if (out)
           for (int c = 0; c < d; ++c) out[i * qrow + h * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
       }
+      if (observer)
+        for (std::size_t e = 0; e < mass.size(); ++e)
+          mass[e] = scorers::aggregation::max == scorer::prefill_aggregation ? std::max(mass[e], query_mass[e])
+                                                                              : mass[e] + query_mass[e];
+    }
+    // Max-pooling over neighbouring windows of the same unit.
+    if constexpr (scorer::prefill_pooling > 1) {
+      const int r = scorer::prefill_pooling / 2;
+      std::vector<double> pooled(mass.size());
+      for (int w = 0; w < started; ++w)
+        for (int u = 0; u < U; ++u) {
+          double m = 0.0;
+          for (int x = std::max(0, w - r); x <= std::min(started - 1, w + r); ++x) m = std::max(m, mass[static_cast<std::size_t>(x * U + u)]);
+          pooled[static_cast<std::size_t>(w * U + u)] = m;
+        }
+      mass.swap(pooled);
     }
     // Place the tokens: sinks, then the recent ring, then route the aged windows.
     lane_state& lane = lane_of(s, layer);
     std::byte* region = region_of(s, layer);
     window_record* table = table_of(region);
-    for (int w = 0; w < windows_started(n); ++w)
-      table[w].score = scorer::accumulate(table[w].score, static_cast<float>(mass[static_cast<std::size_t>(w)]));
+    for (int e = 0; e < started * U; ++e)
+      table[e].score = scorer::accumulate(scorer::initial_score(e / U), static_cast<float>(mass[static_cast<std::size_t>(e)]));
     lane.tokens = n;
     const int aged_after = aged_windows_for(n);
     for (int i = 0; i < n; ++i) {
       if (i < plan_.sinks || i >= plan_.sinks + aged_after * plan_.window)
         store_token(region, lane, i, &prefill_keys_[i * krow], &v[i * krow]);
     }
-    route_lane(s, layer, [&](int w, float* kw, float* vw) {
-      const std::size_t first = static_cast<std::size_t>(plan_.sinks + w * plan_.window);
-      std::copy_n(&prefill_keys_[first * krow], static_cast<std::size_t>(plan_.window) * krow, kw);
-      std::copy_n(&v[first * krow], static_cast<std::size_t>(plan_.window) * krow, vw);
+    route_lane(s, layer, [&](int w, int u, float* kw, float* vw) {
+      const int hu = plan_.heads_per_unit;
+      for (int j = 0; j < plan_.window; ++j) {
+        const std::size_t row = static_cast<std::size_t>(plan_.sinks + w * plan_.window + j) * krow + static_cast<std::size_t>(u) * hu * d;
+        std::copy_n(&prefill_keys_[row], static_cast<std::size_t>(hu) * d, kw + static_cast<std::size_t>(j) * hu * d);
+        std::copy_n(&v[row], static_cast<std::size_t>(hu) * d, vw + static_cast<std::size_t>(j) * hu * d);
+      }
     });
   }
 
@@ -210,7 +246,13 @@ class host_cache {
     for (int h = 0; h < hkv; ++h)
       rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &window_keys_[static_cast<std::size_t>(h) * d],
                    first_position(s) + lane.tokens);
-    store_token(region_of(s, layer), lane, lane.tokens, window_keys_.data(), v);
+    std::byte* region = region_of(s, layer);
+    store_token(region, lane, lane.tokens, window_keys_.data(), v);
+    const int i = lane.tokens;
+    if (i >= plan_.sinks && (i - plan_.sinks) % plan_.window == 0) {  // first token of a new window
+      const int w = (i - plan_.sinks) / plan_.window;
+      for (int u = 0; u < plan_.units; ++u) table_of(region)[w * plan_.units + u].score = scorer::initial_score(w);
+    }
     ++lane.tokens;
   }
 
@@ -218,51 +260,62 @@ class host_cache {
   template <class Observer>
   void attend(int layer, sequence_id s, int batch_index, const float* q_pre, float* out, Observer&& observe) {
     lane_state& lane = lane_of(s, layer);
-    std::byte* region = region_of(s, layer);
-    window_record* table = table_of(region);
-    const int d = geo_.head_dim, hkv = geo_.kv_heads, hq = geo_.q_heads, group = hq / hkv;
+    window_record* table = table_of(region_of(s, layer));
+    const int d = geo_.head_dim, hq = geo_.q_heads, group = hq / geo_.kv_heads;
+    const int U = plan_.units, hu = plan_.heads_per_unit;
+    const double unit_queries = static_cast<double>(hq) / U;
     const long long position = first_position(s) + lane.tokens - 1;
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-    std::fill(token_mass_.begin(), token_mass_.end(), 0.0);
-    int count = 0;
-    for (int h = 0; h < hkv; ++h) {
-      count = gather_head(s, layer, h);
-      for (int g = 0; g < group; ++g) {
-        const int qh = h * group + g;
-        for (int c = 0; c < d; ++c) query_[static_cast<std::size_t>(c)] = q_pre[qh * d + c];
-        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, query_.data(), position);
-        double m = -INFINITY;
-        for (int t = 0; t < count; ++t) {
-          const double* kt = &keys_[static_cast<std::size_t>(t) * d];
-          double dot = 0.0;
-          for (int c = 0; c < d; ++c) dot += query_[static_cast<std::size_t>(c)] * kt[c];
-          logits_[static_cast<std::size_t>(t)] = dot * scale;
-          m = std::max(m, logits_[static_cast<std::size_t>(t)]);
-        }
-        double sum = 0.0;
-        for (int t = 0; t < count; ++t) sum += (logits_[static_cast<std::size_t>(t)] = std::exp(logits_[static_cast<std::size_t>(t)] - m));
-        std::fill(head_out_.begin(), head_out_.end(), 0.0);
-        for (int t = 0; t < count; ++t) {
-          const double p = logits_[static_cast<std::size_t>(t)] / sum;
-          token_mass_[static_cast<std::size_t>(t)] += p / hq;
-          const double* vt = &values_[static_cast<std::size_t>(t) * d];
-          for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vt[c];
-        }
-        for (int c = 0; c < d; ++c) out[qh * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
-      }
-    }
-    // Window mass: the step's probability summed over each window's tokens, averaged over heads.
     const int touched = windows_started(lane.tokens);
-    std::fill_n(window_mass_.begin(), touched, 0.0);
-    for (int t = 0; t < count; ++t) {
-      const int i = token_index_[static_cast<std::size_t>(t)];
-      const int w = i < plan_.sinks ? -1 : (i - plan_.sinks) / plan_.window;
-      if (w >= 0) window_mass_[static_cast<std::size_t>(w)] += token_mass_[static_cast<std::size_t>(t)];
-      observe(attention_event{batch_index, i, w, where_is(lane, table, i), token_mass_[static_cast<std::size_t>(t)]});
-    }
-    for (int w = 0; w < touched; ++w) {
-      if (tier_of(table[w], w < lane.aged) != tier::evicted)
-        table[w].score = scorer::accumulate(table[w].score, static_cast<float>(window_mass_[static_cast<std::size_t>(w)]));
+    // Units attend over their own token sets (they differ with per-KV-head selection); the heads
+    // of one unit share it, so probabilities and masses are summed per unit.
+    for (int u = 0; u < U; ++u) {
+      int count = 0;
+      for (int hl = 0; hl < hu; ++hl) {
+        const int h = u * hu + hl;
+        count = gather_head(s, layer, h);
+        if (hl == 0) {
+          std::fill_n(token_mass_.begin(), count, 0.0);
+          std::fill_n(token_score_.begin(), count, 0.0);
+        }
+        for (int g = 0; g < group; ++g) {
+          const int qh = h * group + g;
+          for (int c = 0; c < d; ++c) query_[static_cast<std::size_t>(c)] = q_pre[qh * d + c];
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, query_.data(), position);
+          double m = -INFINITY;
+          for (int t = 0; t < count; ++t) {
+            const double* kt = &keys_[static_cast<std::size_t>(t) * d];
+            double dot = 0.0;
+            for (int c = 0; c < d; ++c) dot += query_[static_cast<std::size_t>(c)] * kt[c];
+            logits_[static_cast<std::size_t>(t)] = dot * scale;
+            m = std::max(m, logits_[static_cast<std::size_t>(t)]);
+          }
+          double sum = 0.0;
+          for (int t = 0; t < count; ++t) sum += (logits_[static_cast<std::size_t>(t)] = std::exp(logits_[static_cast<std::size_t>(t)] - m));
+          std::fill(head_out_.begin(), head_out_.end(), 0.0);
+          for (int t = 0; t < count; ++t) {
+            const double p = logits_[static_cast<std::size_t>(t)] / sum;
+            const double* vt = &values_[static_cast<std::size_t>(t) * d];
+            token_mass_[static_cast<std::size_t>(t)] += p / hq;
+            token_score_[static_cast<std::size_t>(t)] += token_weight(vt) * p / unit_queries;
+            for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vt[c];
+          }
+          for (int c = 0; c < d; ++c) out[qh * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
+        }
+      }
+      // Window mass of this unit: the step's probability summed over each window's tokens.
+      std::fill_n(window_mass_.begin(), touched, 0.0);
+      for (int t = 0; t < count; ++t) {
+        const int i = token_index_[static_cast<std::size_t>(t)];
+        const int w = i < plan_.sinks ? -1 : (i - plan_.sinks) / plan_.window;
+        if (w >= 0) window_mass_[static_cast<std::size_t>(w)] += token_score_[static_cast<std::size_t>(t)];
+        observe(attention_event{batch_index, i, w, where_is(lane, table, i, u), u, token_mass_[static_cast<std::size_t>(t)]});
+      }
+      for (int w = 0; w < touched; ++w) {
+        window_record& rec = table[w * U + u];
+        if (tier_of(rec, w < lane.aged) != tier::evicted)
+          rec.score = scorer::accumulate(rec.score, static_cast<float>(window_mass_[static_cast<std::size_t>(w)]));
+      }
     }
     ++lane.steps_since_route;
     if (opt_.routing == routing_mode::automatic && lane.steps_since_route >= Config::routing_interval)
@@ -273,26 +326,30 @@ class host_cache {
   void route(sequence_id s, int layer) { route_lane(s, layer, recent_source(s, layer)); }
 
   // ---- introspection -----------------------------------------------------------------------
+  /// One entry per window and routing unit, oldest window first.
   std::vector<window_info> windows(sequence_id s, int layer) const {
     const lane_state& lane = lane_of(s, layer);
     const window_record* table = table_of(region_of(s, layer));
     std::vector<window_info> out;
-    for (int w = 0; w < windows_started(lane.tokens); ++w) {
-      out.push_back(window_info{w, window_first_position(s, w), tier_of(table[w], w < lane.aged), table[w].score,
-                                table[w].ledger_slot >= 0});
-    }
+    for (int w = 0; w < windows_started(lane.tokens); ++w)
+      for (int u = 0; u < plan_.units; ++u) {
+        const window_record& rec = table[w * plan_.units + u];
+        out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < lane.aged), rec.score,
+                                  rec.ledger_slot >= 0, u});
+      }
     return out;
   }
 
+  /// Tier counts in routing units (windows, or window-heads with per-KV-head selection).
   tier_counts counts(sequence_id s, int layer) const {
     const lane_state& lane = lane_of(s, layer);
     const window_record* table = table_of(region_of(s, layer));
     tier_counts c;
     c.sink_tokens = static_cast<std::size_t>(std::min(lane.tokens, plan_.sinks));
     c.recent_tokens = static_cast<std::size_t>(recent_count(lane));
-    for (int w = 0; w < lane.aged; ++w) {
-      switch (tier_of(table[w], true)) {
-        case tier::full: ++c.full; c.ledger_copies += table[w].ledger_slot >= 0 ? 1u : 0u; break;
+    for (int e = 0; e < lane.aged * plan_.units; ++e) {
+      switch (tier_of(table[e], true)) {
+        case tier::full: ++c.full; c.ledger_copies += table[e].ledger_slot >= 0 ? 1u : 0u; break;
         case tier::quantized: ++c.quantized; break;
         default: ++c.evicted; break;
       }
@@ -303,6 +360,7 @@ class host_cache {
   budget_report report() const {
     budget_report r;
     r.caps = plan_.caps;
+    r.units = static_cast<std::size_t>(plan_.units);
     r.budget_per_sequence_layer = plan_.budget_bytes;
     r.full_window_bytes = plan_.full_window_bytes;
     r.quantized_window_bytes = plan_.quantized_window_bytes();
@@ -330,47 +388,50 @@ class host_cache {
   }
 
   /// Keys (after RoPE) and values of window w exactly as attention sees them, each
-  /// [window][kv_heads][head_dim]. Throws for an evicted window.
+  /// [window][kv_heads][head_dim]. Throws if any unit of the window is evicted.
   void read_window(sequence_id s, int layer, int w, float* k_post, float* v) const {
     const lane_state& lane = lane_of(s, layer);
     const std::byte* region = region_of(s, layer);
-    const window_record& rec = table_of(region)[w];
-    const tier t = tier_of(rec, w < lane.aged);
-    detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
-    const int d = geo_.head_dim, hkv = geo_.kv_heads;
-    for (int t_ = 0; t_ < plan_.window; ++t_) {
-      const int i = plan_.sinks + w * plan_.window + t_;
-      for (int h = 0; h < hkv; ++h) {
-        float* kd = k_post + (static_cast<std::size_t>(t_) * hkv + h) * d;
-        float* vd = v + (static_cast<std::size_t>(t_) * hkv + h) * d;
-        if (t == tier::full) {
-          const block b = full_block(region, rec.full_slot);
-          for (int c = 0; c < d; ++c) { kd[c] = b.key(h, t_, c); vd[c] = b.value(h, t_, c); }
-        } else if (t == tier::quantized) {
-          const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
-          quantizer::dequantize_key(plan_.record, r, h, t_, kd);
-          quantizer::dequantize_value(plan_.record, r, h, t_, vd);
-          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + t_);
-        } else {
-          detail::require(i < lane.tokens, "read_window: window " + std::to_string(w) + " is not complete yet");
-          const block b = recent_block(region);
-          const int slot = (i - plan_.sinks) % plan_.recent_capacity;
-          for (int c = 0; c < d; ++c) { kd[c] = b.key(h, slot, c); vd[c] = b.value(h, slot, c); }
-        }
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, hu = plan_.heads_per_unit;
+    std::vector<float> kw(static_cast<std::size_t>(plan_.window) * hu * d), vw(kw.size());
+    for (int u = 0; u < plan_.units; ++u) {
+      const window_record& rec = table_of(region)[w * plan_.units + u];
+      const tier t = tier_of(rec, w < lane.aged);
+      detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
+      if (t == tier::full) {
+        load_full(s, w, region, rec, kw.data(), vw.data());
+      } else if (t == tier::quantized) {
+        dequantize_rotated(s, w, ledger_of(region, rec.ledger_slot), plan_.record, kw.data(), vw.data());
+      } else {
+        detail::require(plan_.sinks + (w + 1) * plan_.window <= lane.tokens,
+                        "read_window: window " + std::to_string(w) + " is not complete yet");
+        load_recent(s, layer, w, u, kw.data(), vw.data());
       }
+      for (int j = 0; j < plan_.window; ++j)
+        for (int hl = 0; hl < hu; ++hl) {
+          const std::size_t from = (static_cast<std::size_t>(j) * hu + hl) * d;
+          const std::size_t to = (static_cast<std::size_t>(j) * hkv + u * hu + hl) * d;
+          std::copy_n(&kw[from], d, k_post + to);
+          std::copy_n(&vw[from], d, v + to);
+        }
     }
   }
 
-  /// The ledger record of window w (empty when it has none).
-  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+  /// The bytes of the ledger record of window w, unit `unit` (empty when it has none).
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w, int unit = 0) const {
     const std::byte* region = region_of(s, layer);
-    const window_record& rec = table_of(region)[w];
+    const window_record& rec = table_of(region)[w * plan_.units + unit];
     if (rec.ledger_slot < 0) return {};
     return {ledger_of(region, rec.ledger_slot), plan_.quantized_window_bytes()};
   }
 
-  /// Replace window w's cumulative score (for external importance signals and experiments).
-  void set_score(sequence_id s, int layer, int w, float score) { table_of(region_of(s, layer))[w].score = score; }
+  /// Replace window w's cumulative score, of one unit or (unit < 0) of all its units (for
+  /// external importance signals and experiments).
+  void set_score(sequence_id s, int layer, int w, float score, int unit = -1) {
+    window_record* table = table_of(region_of(s, layer));
+    for (int u = 0; u < plan_.units; ++u)
+      if (unit < 0 || unit == u) table[w * plan_.units + u].score = score;
+  }
 
   int windows_started(int tokens) const {
     return tokens > plan_.sinks ? (tokens - plan_.sinks + plan_.window - 1) / plan_.window : 0;
@@ -386,10 +447,11 @@ class host_cache {
     int tokens = 0;             ///< tokens appended to this (sequence, layer)
     int aged = 0;               ///< windows that have left the recent region
     int steps_since_route = 0;  ///< attend() calls since the last routing event
+    bool routed = false;        ///< at least one routing event happened
     std::vector<std::int32_t> free_full, free_ledger;
   };
 
-  /// A block of token rows in the element type: [kv_heads][keys C | values C][head_dim].
+  /// A block of token rows in the element type: [heads][keys C | values C][head_dim].
   struct block {
     const void* base;
     int capacity, head_dim;
@@ -429,9 +491,12 @@ class host_cache {
   block recent_block(const std::byte* region) const {
     return block{region + plan_.recent_offset, plan_.recent_capacity, geo_.head_dim, geo_.element};
   }
+  const std::byte* full_slot_of(const std::byte* region, int slot) const {
+    return region + plan_.full_offset + static_cast<std::size_t>(slot) * plan_.full_window_bytes;
+  }
+  /// A Full slot of the full-precision tier: one unit's heads, `window` tokens.
   block full_block(const std::byte* region, int slot) const {
-    return block{region + plan_.full_offset + static_cast<std::size_t>(slot) * plan_.full_window_bytes, plan_.window,
-                 geo_.head_dim, geo_.element};
+    return block{full_slot_of(region, slot), plan_.window, geo_.head_dim, geo_.element};
   }
   std::uint8_t* ledger_of(std::byte* region, int slot) const {
     return reinterpret_cast<std::uint8_t*>(region + plan_.ledger_offset + static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
@@ -452,21 +517,38 @@ class host_cache {
   int recent_count(const lane_state& lane) const {
     return std::max(0, lane.tokens - plan_.sinks - lane.aged * plan_.window);
   }
-  tier where_is(const lane_state& lane, const window_record* table, int i) const {
+  tier where_is(const lane_state& lane, const window_record* table, int i, int unit) const {
     if (i < plan_.sinks) return tier::sink;
     const int w = (i - plan_.sinks) / plan_.window;
-    return tier_of(table[w], w < lane.aged);
+    return tier_of(table[w * plan_.units + unit], w < lane.aged);
+  }
+  /// What one attended token contributes to its window's score, per unit of probability: 1 for
+  /// attention mass, ‖v‖ for value-weighted attention, 0 for position-only scorers.
+  template <class T>
+  double token_weight(const T* value) const {
+    if constexpr (scorer::token_signal == scorers::signal::value_weighted_attention) {
+      double sq = 0.0;
+      for (int c = 0; c < geo_.head_dim; ++c) sq += static_cast<double>(value[c]) * value[c];
+      return std::sqrt(sq);
+    } else if constexpr (scorer::token_signal == scorers::signal::none) {
+      (void)value;
+      return 0.0;
+    } else {
+      (void)value;
+      return 1.0;
+    }
   }
 
   void reset_lane(int s, int layer) {
     lane_state& lane = lane_of(s, layer);
     lane.tokens = lane.aged = lane.steps_since_route = 0;
+    lane.routed = false;
     lane.free_full.clear();
     lane.free_ledger.clear();
     for (int i = static_cast<int>(plan_.caps.full) - 1; i >= 0; --i) lane.free_full.push_back(i);
     for (int i = static_cast<int>(plan_.caps.quantized) - 1; i >= 0; --i) lane.free_ledger.push_back(i);
     window_record* table = table_of(region_of(s, layer));
-    for (int w = 0; w < plan_.max_windows; ++w) table[w] = window_record{};
+    for (std::size_t e = 0; e < plan_.table_entries(); ++e) table[e] = window_record{};
   }
 
   /// Stores token i (post-RoPE key, value; [kv_heads][head_dim]) in the sinks or the recent ring.
@@ -477,13 +559,36 @@ class host_cache {
     for (int h = 0; h < geo_.kv_heads; ++h) b.put(h, slot, k_post + h * d, v + h * d);
   }
 
+  /// Dequantizes a record (one unit's heads) into post-RoPE keys and values, [window][hu][d].
+  template <class Q = quantizer>
+  void dequantize_rotated(sequence_id s, int w, const std::uint8_t* record, const quantizers::record_layout& layout,
+                          float* k_post, float* v) const {
+    const int d = geo_.head_dim, hu = plan_.heads_per_unit;
+    for (int j = 0; j < plan_.window; ++j)
+      for (int hl = 0; hl < hu; ++hl) {
+        float* kd = k_post + (static_cast<std::size_t>(j) * hu + hl) * d;
+        Q::dequantize_key(layout, record, hl, j, kd);
+        Q::dequantize_value(layout, record, hl, j, v + (static_cast<std::size_t>(j) * hu + hl) * d);
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + j);
+      }
+  }
+
+  /// Rotates post-RoPE keys [window][hu][d] of window w back to the pre-RoPE frame, in place.
+  void unrotate(sequence_id s, int w, float* k) const {
+    const int d = geo_.head_dim, hu = plan_.heads_per_unit;
+    for (int j = 0; j < plan_.window; ++j)
+      for (int hl = 0; hl < hu; ++hl)
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, k + (static_cast<std::size_t>(j) * hu + hl) * d,
+                     window_first_position(s, w) + j, -1);
+  }
+
   /// Copies the accessible keys (post-RoPE) and values of KV head h into keys_/values_ in token
   /// order: sinks, aged Full and Quantized windows, recent region. Returns the count.
   int gather_head(sequence_id s, int layer, int h) {
     const lane_state& lane = lane_of(s, layer);
     const std::byte* region = region_of(s, layer);
     const window_record* table = table_of(region);
-    const int d = geo_.head_dim;
+    const int d = geo_.head_dim, hu = plan_.heads_per_unit, u = h / hu, hl = h % hu;
     int n = 0;
     auto push = [&](int token, auto&& key_of, auto&& value_of) {
       for (int c = 0; c < d; ++c) {
@@ -498,23 +603,32 @@ class host_cache {
       push(i, [&](int c) { return sinks.key(h, i, c); }, [&](int c) { return sinks.value(h, i, c); });
     float kq[512], vq[512];  // one quantized token's head vector (head_dim <= 512)
     double kr[512];
-    for (int w = 0; w < lane.aged; ++w) {
-      const window_record& rec = table[w];
-      const tier t = tier_of(rec, true);
+    auto push_quantized = [&](int w, auto q_tag, const std::uint8_t* r, const quantizers::record_layout& layout) {
+      using Q = typename decltype(q_tag)::type;
       const int first = plan_.sinks + w * plan_.window;
+      for (int j = 0; j < plan_.window; ++j) {
+        Q::dequantize_key(layout, r, hl, j, kq);
+        Q::dequantize_value(layout, r, hl, j, vq);
+        for (int c = 0; c < d; ++c) kr[c] = kq[c];
+        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
+        push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
+      }
+    };
+    for (int w = 0; w < lane.aged; ++w) {
+      const window_record& rec = table[w * plan_.units + u];
+      const tier t = tier_of(rec, true);
       if (t == tier::full) {
-        const block b = full_block(region, rec.full_slot);
-        for (int j = 0; j < plan_.window; ++j)
-          push(first + j, [&](int c) { return b.key(h, j, c); }, [&](int c) { return b.value(h, j, c); });
-      } else if (t == tier::quantized) {
-        const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
-        for (int j = 0; j < plan_.window; ++j) {
-          quantizer::dequantize_key(plan_.record, r, h, j, kq);
-          quantizer::dequantize_value(plan_.record, r, h, j, vq);
-          for (int c = 0; c < d; ++c) kr[c] = kq[c];
-          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
-          push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
+        if constexpr (full_tier::quantized) {
+          push_quantized(w, type_tag<typename full_tier::quantizer>{},
+                         reinterpret_cast<const std::uint8_t*>(full_slot_of(region, rec.full_slot)), plan_.full_record);
+        } else {
+          const block b = full_block(region, rec.full_slot);
+          const int first = plan_.sinks + w * plan_.window;
+          for (int j = 0; j < plan_.window; ++j)
+            push(first + j, [&](int c) { return b.key(hl, j, c); }, [&](int c) { return b.value(hl, j, c); });
         }
+      } else if (t == tier::quantized) {
+        push_quantized(w, type_tag<quantizer>{}, ledger_of(region, rec.ledger_slot), plan_.record);
       }
     }
     const block recent = recent_block(region);
@@ -525,81 +639,101 @@ class host_cache {
     return n;
   }
 
-  /// The source of a newly aged window's tokens during decode: the recent ring.
-  auto recent_source(sequence_id s, int layer) {
-    return [this, s, layer](int w, float* kw, float* vw) {
-      const std::byte* region = region_of(s, layer);
-      const block b = recent_block(region);
-      const int d = geo_.head_dim, hkv = geo_.kv_heads;
-      for (int j = 0; j < plan_.window; ++j) {
-        const int slot = (plan_.sinks + w * plan_.window + j - plan_.sinks) % plan_.recent_capacity;
-        for (int h = 0; h < hkv; ++h)
-          for (int c = 0; c < d; ++c) {
-            kw[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.key(h, slot, c);
-            vw[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.value(h, slot, c);
-          }
-      }
-    };
+  template <class T>
+  struct type_tag {
+    using type = T;
+  };
+
+  /// Tokens of window w, unit u, from the recent ring: post-RoPE keys and values [window][hu][d].
+  void load_recent(sequence_id s, int layer, int w, int u, float* kw, float* vw) const {
+    const block b = recent_block(region_of(s, layer));
+    const int d = geo_.head_dim, hu = plan_.heads_per_unit;
+    for (int j = 0; j < plan_.window; ++j) {
+      const int slot = (w * plan_.window + j) % plan_.recent_capacity;
+      for (int hl = 0; hl < hu; ++hl)
+        for (int c = 0; c < d; ++c) {
+          kw[(static_cast<std::size_t>(j) * hu + hl) * d + c] = b.key(u * hu + hl, slot, c);
+          vw[(static_cast<std::size_t>(j) * hu + hl) * d + c] = b.value(u * hu + hl, slot, c);
+        }
+    }
   }
 
-  /// Quantizes window w from post-RoPE keys and values ([window][kv_heads][head_dim]) into a
-  /// new ledger record. The keys are rotated back to their pre-RoPE frame first.
+  /// The source of a newly aged window's tokens during decode: the recent ring.
+  auto recent_source(sequence_id s, int layer) {
+    return [this, s, layer](int w, int u, float* kw, float* vw) { load_recent(s, layer, w, u, kw, vw); };
+  }
+
+  /// Quantizes window w (post-RoPE keys, values; [window][hu][d]) into a new ledger record.
   void quantize_into_ledger(sequence_id s, std::byte* region, lane_state& lane, window_record& rec, int w,
                             float* k_post, const float* v) {
-    const int d = geo_.head_dim, hkv = geo_.kv_heads;
-    for (int j = 0; j < plan_.window; ++j)
-      for (int h = 0; h < hkv; ++h)
-        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, k_post + (static_cast<std::size_t>(j) * hkv + h) * d,
-                     window_first_position(s, w) + j, -1);
+    unrotate(s, w, k_post);
     rec.ledger_slot = lane.free_ledger.back();
     lane.free_ledger.pop_back();
     quantizer::quantize(plan_.record, k_post, v, ledger_of(region, rec.ledger_slot));
   }
 
-  void store_full(std::byte* region, lane_state& lane, window_record& rec, const float* k_post, const float* v) {
-    const int d = geo_.head_dim, hkv = geo_.kv_heads;
+  /// Takes a Full slot for window w and stores its keys (post-RoPE) and values there.
+  void store_full(sequence_id s, int w, std::byte* region, lane_state& lane, window_record& rec, float* k_post,
+                  const float* v) {
     rec.full_slot = lane.free_full.back();
     lane.free_full.pop_back();
-    const block b = full_block(region, rec.full_slot);
-    for (int j = 0; j < plan_.window; ++j)
-      for (int h = 0; h < hkv; ++h)
-        b.put(h, j, k_post + (static_cast<std::size_t>(j) * hkv + h) * d, v + (static_cast<std::size_t>(j) * hkv + h) * d);
+    std::byte* slot = region + plan_.full_offset + static_cast<std::size_t>(rec.full_slot) * plan_.full_window_bytes;
+    if constexpr (full_tier::quantized) {
+      unrotate(s, w, k_post);
+      full_tier::quantizer::quantize(plan_.full_record, k_post, v, reinterpret_cast<std::uint8_t*>(slot));
+    } else {
+      const int d = geo_.head_dim, hu = plan_.heads_per_unit;
+      const block b{slot, plan_.window, d, geo_.element};
+      for (int j = 0; j < plan_.window; ++j)
+        for (int hl = 0; hl < hu; ++hl)
+          b.put(hl, j, k_post + (static_cast<std::size_t>(j) * hu + hl) * d, v + (static_cast<std::size_t>(j) * hu + hl) * d);
+    }
   }
 
-  void load_full(const std::byte* region, const window_record& rec, float* k_post, float* v) const {
-    const int d = geo_.head_dim, hkv = geo_.kv_heads;
-    const block b = full_block(region, rec.full_slot);
-    for (int j = 0; j < plan_.window; ++j)
-      for (int h = 0; h < hkv; ++h)
-        for (int c = 0; c < d; ++c) {
-          k_post[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.key(h, j, c);
-          v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = b.value(h, j, c);
-        }
+  /// Keys (post-RoPE) and values of a Full window, [window][hu][d].
+  void load_full(sequence_id s, int w, const std::byte* region, const window_record& rec, float* k_post, float* v) const {
+    if constexpr (full_tier::quantized) {
+      dequantize_rotated<typename full_tier::quantizer>(
+          s, w, reinterpret_cast<const std::uint8_t*>(full_slot_of(region, rec.full_slot)), plan_.full_record, k_post, v);
+    } else {
+      const int d = geo_.head_dim, hu = plan_.heads_per_unit;
+      const block b = full_block(region, rec.full_slot);
+      for (int j = 0; j < plan_.window; ++j)
+        for (int hl = 0; hl < hu; ++hl)
+          for (int c = 0; c < d; ++c) {
+            k_post[(static_cast<std::size_t>(j) * hu + hl) * d + c] = b.key(hl, j, c);
+            v[(static_cast<std::size_t>(j) * hu + hl) * d + c] = b.value(hl, j, c);
+          }
+    }
   }
 
-  /// Algorithm 1 for one (sequence, layer). `source(w, k_post, v)` yields the tokens of a window
-  /// that is aging out of the recent region now.
+  /// Algorithm 1 for one (sequence, layer). `source(w, u, k_post, v)` yields the tokens of a
+  /// window that is aging out of the recent region now.
   template <class Source>
   void route_lane(sequence_id s, int layer, Source&& source) {
     lane_state& lane = lane_of(s, layer);
     std::byte* region = region_of(s, layer);
     window_record* table = table_of(region);
+    const int U = plan_.units;
     const int aged_before = lane.aged;
     const int aged_after = std::max(aged_before, aged_windows_for(lane.tokens));
+    // A frozen selection only places the newly aged windows, into the slots still free.
+    const bool frozen = !rerank && lane.routed;
+    const capacities caps = frozen ? capacities{lane.free_full.size(), lane.free_ledger.size()} : plan_.caps;
 
-    // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged windows.
+    // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged units.
     std::size_t n = 0;
-    for (int w = 0; w < aged_after; ++w) {
-      const tier t = tier_of(table[w], w < aged_before);
+    for (int e = (frozen ? aged_before : 0) * U; e < aged_after * U; ++e) {
+      const tier t = tier_of(table[e], e / U < aged_before);
       if (t == tier::evicted) continue;
-      candidates_[n++] = routing_candidate{w, table[w].score, table[w].ledger_slot >= 0, tier::evicted};
+      candidates_[n++] = routing_candidate{e, table[e].score, table[e].ledger_slot >= 0, tier::evicted};
     }
-    assign_tiers(std::span(candidates_.data(), n), plan_.caps);
+    assign_tiers(std::span(candidates_.data(), n), caps);
 
     // Migrations, frees before allocations so that every pool stays within its capacity.
     float* kw = window_keys_.data();
     float* vw = window_values_.data();
-    auto previous = [&](const routing_candidate& c) { return tier_of(table[c.window], c.window < aged_before); };
+    auto previous = [&](const routing_candidate& c) { return tier_of(table[c.window], c.window / U < aged_before); };
     for (std::size_t i = 0; i < n; ++i) {  // 1. evict
       window_record& rec = table[candidates_[i].window];
       if (candidates_[i].next != tier::evicted) continue;
@@ -612,8 +746,8 @@ class host_cache {
       window_record& rec = table[c.window];
       if (c.next != tier::quantized || previous(c) != tier::full) continue;
       if (rec.ledger_slot < 0) {
-        load_full(region, rec, kw, vw);
-        quantize_into_ledger(s, region, lane, rec, c.window, kw, vw);
+        load_full(s, c.window / U, region, rec, kw, vw);
+        quantize_into_ledger(s, region, lane, rec, c.window / U, kw, vw);
       }
       lane.free_full.push_back(rec.full_slot);
       rec.full_slot = -1;
@@ -621,29 +755,21 @@ class host_cache {
     for (std::size_t i = 0; i < n; ++i) {  // 3. newly aged → Quantized
       const routing_candidate& c = candidates_[i];
       if (c.next != tier::quantized || previous(c) != tier::recent) continue;
-      source(c.window, kw, vw);
-      quantize_into_ledger(s, region, lane, table[c.window], c.window, kw, vw);
+      source(c.window / U, c.window % U, kw, vw);
+      quantize_into_ledger(s, region, lane, table[c.window], c.window / U, kw, vw);
     }
     for (std::size_t i = 0; i < n; ++i) {  // 4. promote Quantized → Full (dequantize, re-apply RoPE)
       const routing_candidate& c = candidates_[i];
       window_record& rec = table[c.window];
       if (c.next != tier::full || previous(c) != tier::quantized) continue;
-      const int d = geo_.head_dim, hkv = geo_.kv_heads;
-      const std::uint8_t* r = ledger_of(region, rec.ledger_slot);
-      for (int j = 0; j < plan_.window; ++j)
-        for (int h = 0; h < hkv; ++h) {
-          float* kd = kw + (static_cast<std::size_t>(j) * hkv + h) * d;
-          quantizer::dequantize_key(plan_.record, r, h, j, kd);
-          quantizer::dequantize_value(plan_.record, r, h, j, vw + (static_cast<std::size_t>(j) * hkv + h) * d);
-          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, c.window) + j);
-        }
-      store_full(region, lane, rec, kw, vw);
+      dequantize_rotated(s, c.window / U, ledger_of(region, rec.ledger_slot), plan_.record, kw, vw);
+      store_full(s, c.window / U, region, lane, rec, kw, vw);
     }
     for (std::size_t i = 0; i < n; ++i) {  // 5. newly aged → Full
       const routing_candidate& c = candidates_[i];
       if (c.next != tier::full || previous(c) != tier::recent) continue;
-      source(c.window, kw, vw);
-      store_full(region, lane, table[c.window], kw, vw);
+      source(c.window / U, c.window % U, kw, vw);
+      store_full(s, c.window / U, region, lane, table[c.window], kw, vw);
     }
     // A routing event acts on the history of every live window, the recent ones included: a
     // decaying scorer must discount the mass a window gathered while it was still recent, or that
@@ -655,6 +781,7 @@ class host_cache {
     for (int w = aged_after; w < windows_started(lane.tokens); ++w) table[w].score = scorer::after_routing(table[w].score);
     lane.aged = aged_after;
     lane.steps_since_route = 0;
+    lane.routed = true;
   }
 
   geometry geo_;
@@ -667,7 +794,7 @@ class host_cache {
   std::vector<lane_state> lanes_;
   std::vector<sequence> sequences_;
   // Scratch, sized at construction.
-  std::vector<double> keys_, values_, logits_, token_mass_, window_mass_, query_, head_out_;
+  std::vector<double> keys_, values_, logits_, token_mass_, token_score_, window_mass_, query_, head_out_;
   std::vector<int> token_index_;
   std::vector<float> window_keys_, window_values_;
   std::vector<routing_candidate> candidates_;
