@@ -1,0 +1,39 @@
+// Times the fused decode-attention kernel (with and without window mass) for one layer of
+// Llama-3.1-8B geometry at the (batch, context, budget) points of run_peers.sh; prints one JSON
+// line per point. Built and run by bench/gpu/run_peers.sh next to the PyTorch peers.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "decode_setup.cuh"
+
+int main(int argc, char** argv) {
+  using namespace qevict;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("no CUDA device\n");
+    return 77;
+  }
+  const int points[][2] = {{32, 1280}, {32, 8192}, {32, 32768}, {1, 32768}, {1, 131072}};
+  const double budgets[] = {0.20, 0.10, 0.05, 0.0};
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
+  const geometry g = bench::llama_layer();
+  for (const auto& pt : points) {
+    for (double f : budgets) {
+      bench::decode_state s = bench::make_state(g, pt[0], pt[1], f);
+      const kernels::decode_arguments a = s.arguments();
+      const float with_mass = bench::median_ms([&] {
+        kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr);
+      }, 5, reps);
+      const float without_mass = bench::median_ms([&] {
+        kernels::decode_attention<false, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr);
+      }, 5, reps);
+      std::printf("{\"impl\": \"qevict\", \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"ms\": %.5f, "
+                  "\"ms_no_mass\": %.5f, \"bytes\": %zu, \"full_windows\": %d, \"quantized_windows\": %d}\n",
+                  pt[0], pt[1], f, with_mass, without_mass, s.bytes_read, s.n_full, s.n_quantized);
+      std::fflush(stdout);
+      s.release();
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,765 @@
+#pragma once
+// Fused decode attention over a QEvict cache: one pass over the sinks, the Full windows (bf16 or
+// fp16), the Quantized windows (INT2 codes dequantized in registers, pre-RoPE keys rotated in
+// registers at their positions) and the recent region, with each window's attention mass as a
+// by-product.
+//
+// Work list. Every (sequence, layer) — a lane — has a compact window list (CSR-style: a fixed
+// stride per lane and a count) of (window index, slot) entries for its Full and Quantized
+// windows. The kernel sees one virtual list of "items" of W = 8 tokens per lane:
+//   [the sink group] [the listed windows] [the windows still in the recent region]
+// A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
+// each of its four warps takes two items at a time.
+//
+// Tensor cores (mma.m16n8k16, fp16 in, fp32 accumulate):
+//   S = Q K^T per item:  A = the group's queries (rows 0-7: high fp16 part, rows 8-15: the low part,
+//                        so the query keeps ~22 bits), B = the item's 8 keys.
+//   O^T += V^T P^T per two items: A = 16 channels x 16 tokens of values, B = probabilities, whose
+//                        C->B fragment layouts line up, so P never leaves registers.
+// The contraction index is a free permutation of the channels, chosen so that a thread reads
+// contiguous 16-byte pieces and holds both halves of each rotary pair.
+//
+// INT2 metadata is folded: a value's per-token scale multiplies its probability and its zero
+// accumulates as sum(p * zero) per head, so value codes enter the tensor core as exact integers.
+//
+// Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
+// sum(exp(s - m_ref)) scaled to the CTA's max; merge_kernel forms the log-sum-exp, the output and
+// each window's mass = sum over heads of that value * exp(m_chunk - LSE) / H_q, added to the score.
+// No per-token probability is written and K is read once.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "qevict/core/layout.hpp"
+#include "qevict/kernels/check.cuh"
+#include "qevict/kernels/rope.cuh"
+#include "qevict/kernels/warp_mma.cuh"
+
+/// Resident CTAs per SM the decode kernel is compiled for (registers per thread follow from it).
+#ifndef QEVICT_DECODE_MIN_BLOCKS
+#define QEVICT_DECODE_MIN_BLOCKS 2
+#endif
+
+namespace qevict::kernels {
+
+/// Device-resident state of one lane (sequence slot, layer).
+struct lane_state {
+  int tokens = 0;
+  int aged = 0;
+  int n_entries = 0;  ///< entries in the lane's window list
+  int pad = 0;
+  long long first_position = 0;
+};
+
+/// One Full or Quantized window in a lane's list. slot >= 0: Full slot; slot < 0: ledger slot ~slot.
+struct window_entry {
+  std::int32_t window;
+  std::int32_t slot;
+};
+
+/// Grid-invariant description of the byte layout (built on the host from region_plan).
+struct decode_layout {
+  int kv_heads = 0, group = 0, head_dim = 0, window = 0, sinks = 0, recent_capacity = 0;
+  rope_layout layout = rope_layout::rotate_half;
+  std::size_t region_bytes = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
+  std::size_t full_window_bytes = 0, record_bytes = 0, record_head_bytes = 0;
+  std::size_t key_scale_offset = 0, key_zero_offset = 0, value_codes_offset = 0, value_scale_offset = 0,
+              value_zero_offset = 0;
+  int entries_per_lane = 0;
+  int max_items = 0;  ///< items a lane can have: sink group + entries + recent windows
+
+  static decode_layout from_plan(const region_plan& p, rope_layout pairs) {
+    decode_layout d;
+    d.layout = pairs;
+    d.kv_heads = p.kv_heads;
+    d.group = p.q_heads / p.kv_heads;
+    d.head_dim = p.head_dim;
+    d.window = p.window;
+    d.sinks = p.sinks;
+    d.recent_capacity = p.recent_capacity;
+    d.region_bytes = p.region_bytes;
+    d.sink_offset = p.sink_offset;
+    d.recent_offset = p.recent_offset;
+    d.full_offset = p.full_offset;
+    d.ledger_offset = p.ledger_offset;
+    d.full_window_bytes = p.full_window_bytes;
+    d.record_bytes = p.record.window_bytes();
+    d.record_head_bytes = p.record.head_bytes();
+    d.key_scale_offset = p.record.key_scale_offset();
+    d.key_zero_offset = p.record.key_zero_offset();
+    d.value_codes_offset = p.record.value_codes_offset();
+    d.value_scale_offset = p.record.value_scale_offset();
+    d.value_zero_offset = p.record.value_zero_offset();
+    d.entries_per_lane = static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows));
+    const int recent_windows = (p.recent_capacity + p.window - 1) / p.window + 1;
+    d.max_items = (p.sinks > 0 ? 1 : 0) + d.entries_per_lane + recent_windows;
+    return d;
+  }
+};
+
+/// What one launch reads and writes. All pointers are device pointers.
+struct decode_arguments {
+  std::byte* arena = nullptr;              ///< regions, lane-major: region of lane l at l * region_bytes
+  const lane_state* lanes = nullptr;       ///< per lane
+  const window_entry* entries = nullptr;   ///< per lane, entries_per_lane each
+  const int* batch_lanes = nullptr;        ///< lane of each batch element
+  int batch = 0;
+  const float* q = nullptr;                ///< [batch][q_heads][head_dim], before RoPE
+  float* out = nullptr;                    ///< [batch][q_heads][head_dim]
+  const double* inv_freq = nullptr;        ///< [head_dim / 2]
+  // Workspace (decode_workspace::bytes).
+  float* part_o = nullptr;
+  float2* part_ml = nullptr;
+  float* part_mass = nullptr;
+  float* q_rotated = nullptr;   ///< [batch][q_heads][head_dim]: RoPE'd, times log2(e)/sqrt(head_dim)
+  float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
+  int items_per_chunk = 64;
+  int max_chunks = 0;
+};
+
+/// Workspace sizes for `batch` sequences.
+struct decode_workspace {
+  std::size_t o = 0, ml = 0, mass = 0, q = 0, table = 0;
+  static int chunks_for(const decode_layout& L, int items_per_chunk) {
+    return (L.max_items + items_per_chunk - 1) / items_per_chunk;
+  }
+  static decode_workspace sizes(const decode_layout& L, int batch, int items_per_chunk) {
+    const std::size_t chunks = static_cast<std::size_t>(chunks_for(L, items_per_chunk));
+    const std::size_t bh = static_cast<std::size_t>(batch) * L.kv_heads;
+    decode_workspace w;
+    w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
+    w.ml = bh * chunks * L.group * sizeof(float2);
+    w.mass = bh * chunks * items_per_chunk * L.group * sizeof(float);
+    w.q = bh * L.group * L.head_dim * sizeof(float);
+    w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
+    return w;
+  }
+  std::size_t bytes() const { return o + ml + mass + q + table; }
+};
+
+namespace detail {
+
+constexpr int warps_per_cta = 4;
+constexpr int max_items_per_chunk = 64;
+constexpr float log2e = 1.4426950408889634f;
+
+/// One item (8 tokens) as a warp sees it.
+struct item_view {
+  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: quantized record
+  const std::uint8_t* base;  // rows: the block's base for this KV head; quantized: the record's head base
+  int capacity;    // rows: rows per keys/values section
+  int first_slot;  // rows: slot of token 0 (ring for the recent region)
+  int valid;       // tokens that exist
+  int window;      // window index, -1 for the sink group
+  long long t0;    // quantized: position of token 0
+};
+
+template <int ElementBytes>
+__device__ __forceinline__ item_view describe_item(const decode_layout& L, const std::uint8_t* region,
+                                                   const lane_state& lane, const window_entry* entries,
+                                                   int entry_offset, int item, int n_items, int h) {
+  item_view v{0, nullptr, 0, 0, 0, -1, 0};
+  if (item >= n_items) return v;
+  const int D = L.head_dim, W = L.window;
+  int i = item;
+  if (L.sinks > 0) {
+    if (i == 0) {
+      v.kind = 1;
+      v.capacity = L.sinks;
+      v.base = region + L.sink_offset + static_cast<std::size_t>(h) * 2 * L.sinks * D * ElementBytes;
+      v.valid = min(lane.tokens, L.sinks);
+      return v;
+    }
+    --i;
+  }
+  if (i < lane.n_entries) {
+    const window_entry e = entries[i - entry_offset];
+    v.window = e.window;
+    v.valid = W;
+    if (e.slot >= 0) {
+      v.kind = 1;
+      v.capacity = W;
+      v.base = region + L.full_offset + static_cast<std::size_t>(e.slot) * L.full_window_bytes +
+               static_cast<std::size_t>(h) * 2 * W * D * ElementBytes;
+    } else {
+      v.kind = 2;
+      v.base = region + L.ledger_offset + static_cast<std::size_t>(~e.slot) * L.record_bytes +
+               static_cast<std::size_t>(h) * L.record_head_bytes;
+      v.t0 = lane.first_position + L.sinks + static_cast<long long>(e.window) * W;
+    }
+    return v;
+  }
+  const int w = lane.aged + (i - lane.n_entries);
+  v.kind = 1;
+  v.window = w;
+  v.capacity = L.recent_capacity;
+  v.base = region + L.recent_offset + static_cast<std::size_t>(h) * 2 * L.recent_capacity * D * ElementBytes;
+  v.first_slot = (w * W) % L.recent_capacity;
+  v.valid = min(W, lane.tokens - L.sinks - w * W);
+  return v;
+}
+
+__device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane) {
+  const int started = lane.tokens > L.sinks ? (lane.tokens - L.sinks + L.window - 1) / L.window : 0;
+  return (L.sinks > 0 ? 1 : 0) + lane.n_entries + (started - lane.aged);
+}
+
+/// Channel spans of thread t (t = lane % 4): span 0 and span 1 hold D/8 channels each, and every
+/// rotary pair lies inside the thread.
+template <int D>
+__device__ __forceinline__ void key_spans(rope_layout layout, int t, int& s0, int& s1) {
+  if (layout == rope_layout::interleaved) {
+    s0 = t * (D / 4);
+    s1 = s0 + D / 8;
+  } else {
+    s0 = t * (D / 8);
+    s1 = D / 2 + s0;
+  }
+}
+
+/// Rotates the thread's D/4 channels x (span 0 then span 1) with cos/sin of pair p given by cs(p).
+template <int D, class CosSin>
+__device__ __forceinline__ void rotate_spans(float (&x)[D / 4], rope_layout layout, int s0, int s1, CosSin&& cs) {
+  if (layout == rope_layout::interleaved) {
+#pragma unroll
+    for (int span = 0; span < 2; ++span) {
+      const int base = span == 0 ? s0 : s1;
+#pragma unroll
+      for (int m = 0; m < D / 16; ++m) {
+        const float2 r = cs(base / 2 + m);
+        const float a = x[span * (D / 8) + 2 * m], b = x[span * (D / 8) + 2 * m + 1];
+        x[span * (D / 8) + 2 * m] = a * r.x - b * r.y;
+        x[span * (D / 8) + 2 * m + 1] = a * r.y + b * r.x;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < D / 8; ++k) {
+      const float2 r = cs(s0 + k);
+      const float a = x[k], b = x[D / 8 + k];
+      x[k] = a * r.x - b * r.y;
+      x[D / 8 + k] = a * r.y + b * r.x;
+    }
+  }
+}
+
+template <int Bytes>
+struct raw_chunk;
+template <>
+struct raw_chunk<16> {
+  using type = uint4;
+};
+
+/// Loads `Bytes` (a multiple of 16) from 16-byte aligned global memory into 32-bit words.
+template <int Words>
+__device__ __forceinline__ void load_words(const std::uint8_t* p, std::uint32_t (&w)[Words]) {
+  static_assert(Words % 4 == 0, "load_words: whole 16-byte pieces");
+#pragma unroll
+  for (int i = 0; i < Words / 4; ++i) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    w[4 * i] = u.x;
+    w[4 * i + 1] = u.y;
+    w[4 * i + 2] = u.z;
+    w[4 * i + 3] = u.w;
+  }
+}
+
+/// L2 prefetch of an item's bytes for this KV head (a later iteration reads them).
+template <int D>
+__device__ __forceinline__ void prefetch_item(const decode_layout& L, const item_view& it, int lane_id) {
+  const std::uint8_t* p = nullptr;
+  if (it.kind == 1) {
+    const int rows = min(8, it.capacity - it.first_slot);  // stays inside the block
+    const int lines = rows * D * 2 / 128;                     // lines of keys; as many of values
+    if (lane_id < 2 * lines) {
+      const int section = lane_id < lines ? 0 : it.capacity;
+      const int line = lane_id < lines ? lane_id : lane_id - lines;
+      p = it.base + static_cast<std::size_t>(section + it.first_slot) * D * 2 + line * 128;
+    }
+  } else if (it.kind == 2) {
+    if (lane_id * 128 < static_cast<int>(L.record_head_bytes)) p = it.base + lane_id * 128;
+  }
+  if (p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+/// Scores S[head g][tokens 2t, 2t+1] of one item (c[0], c[1]): the thread supplies token g's key
+/// as B-fragments. Dequantized keys are split into high and low fp16 parts (two products), so the
+/// scores keep fp32-level accuracy; stored fp16/bf16 keys are exact in one part.
+template <int D, element_type E>
+__device__ __forceinline__ void score_item(const decode_layout& L, const item_view& it, int g, int s0, int s1,
+                                           const float2* cs_j, const float2* cs_t0, const std::uint32_t (&q_hi)[D / 8],
+                                           const std::uint32_t (&q_lo)[D / 8], float (&c)[4]) {
+  constexpr int EB = 2;
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+  if (it.kind == 1) {
+    std::uint32_t kb[D / 8];
+    if (g < it.valid) {
+      int slot = it.first_slot + g;
+      if (slot >= it.capacity) slot -= it.capacity;
+      const std::uint8_t* row = it.base + static_cast<std::size_t>(slot) * D * EB;
+      std::uint32_t w0[D / 16], w1[D / 16];
+      load_words<D / 16>(row + s0 * EB, w0);
+      load_words<D / 16>(row + s1 * EB, w1);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        kb[i] = E == element_type::bf16 ? warp::bf16x2_to_half2(w0[i]) : w0[i];
+        kb[D / 16 + i] = E == element_type::bf16 ? warp::bf16x2_to_half2(w1[i]) : w1[i];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) kb[i] = 0u;
+    }
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], q_lo[2 * s], q_hi[2 * s + 1], q_lo[2 * s + 1], kb[2 * s], kb[2 * s + 1]);
+  } else if (it.kind == 2) {
+    // Codes of token g: code e = g*D + c sits at bit 2*(e % 16) of 32-bit word e / 16.
+    const std::uint8_t* codes = it.base;
+    std::uint32_t c0, c1;
+    if constexpr (D / 8 == 16) {
+      c0 = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (g * D + s0) / 4));
+      c1 = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (g * D + s1) / 4));
+    } else {
+      c0 = __ldg(reinterpret_cast<const std::uint16_t*>(codes + (g * D + s0) / 4));
+      c1 = __ldg(reinterpret_cast<const std::uint16_t*>(codes + (g * D + s1) / 4));
+    }
+    std::uint32_t sc[2][D / 16], ze[2][D / 16];
+    load_words<D / 16>(it.base + L.key_scale_offset + s0 * 2, sc[0]);
+    load_words<D / 16>(it.base + L.key_scale_offset + s1 * 2, sc[1]);
+    load_words<D / 16>(it.base + L.key_zero_offset + s0 * 2, ze[0]);
+    load_words<D / 16>(it.base + L.key_zero_offset + s1 * 2, ze[1]);
+    float x[D / 4];
+#pragma unroll
+    for (int span = 0; span < 2; ++span) {
+      const std::uint32_t cw = span == 0 ? c0 : c1;
+#pragma unroll
+      for (int k = 0; k < D / 8; ++k) {
+        const std::uint32_t sw = sc[span][k / 2], zw = ze[span][k / 2];
+        const float s = __uint_as_float(k % 2 == 0 ? sw << 16 : sw & 0xffff0000u);
+        const float z = __uint_as_float(k % 2 == 0 ? zw << 16 : zw & 0xffff0000u);
+        x[span * (D / 8) + k] = fmaf(s, static_cast<float>((cw >> (2 * k)) & 3u), z);
+      }
+    }
+    // Token g sits at t0 + g: rotation = e^{i t0 f} * e^{i g f}.
+    rotate_spans<D>(x, L.layout, s0, s1, [&](int p) {
+      const float2 a = cs_t0[p], b = cs_j[g * (D / 2) + p];
+      return make_float2(a.x * b.x - a.y * b.y, a.y * b.x + a.x * b.y);
+    });
+    std::uint32_t kb[D / 8];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) kb[i] = warp::pack_half2(x[2 * i], x[2 * i + 1]);
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], q_lo[2 * s], q_hi[2 * s + 1], q_lo[2 * s + 1], kb[2 * s], kb[2 * s + 1]);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const float2 back = warp::unpack_half2(kb[i]);
+      kb[i] = warp::pack_half2(x[2 * i] - back.x, x[2 * i + 1] - back.y);
+    }
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], 0u, q_hi[2 * s + 1], 0u, kb[2 * s], kb[2 * s + 1]);
+  }
+}
+
+/// Raw value data of one token for the thread's channels [g*D/8, (g+1)*D/8): D/16 words of
+/// elements, or (quantized) one word of codes in word 0.
+template <int D, element_type E>
+__device__ __forceinline__ void load_item_value_row(const decode_layout& L, const item_view& it, int j, int g,
+                                                    std::uint32_t (&v)[D / 16]) {
+  constexpr int EB = 2;
+  if (it.kind == 1 && j < it.valid) {
+    int slot = it.first_slot + j;
+    if (slot >= it.capacity) slot -= it.capacity;
+    const std::uint8_t* row = it.base + static_cast<std::size_t>(it.capacity + slot) * D * EB;
+    load_words<D / 16>(row + g * (D / 8) * EB, v);
+    if constexpr (E == element_type::bf16) {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) v[i] = warp::bf16x2_to_half2(v[i]);
+    }
+  } else if (it.kind == 2) {
+    const std::uint8_t* codes = it.base + L.value_codes_offset + (j * D + g * (D / 8)) / 4;
+    if constexpr (D / 8 == 16) v[0] = __ldg(reinterpret_cast<const std::uint32_t*>(codes));
+    else v[0] = __ldg(reinterpret_cast<const std::uint16_t*>(codes));
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) v[i] = 0u;
+  }
+}
+
+/// A-fragment registers (row g: channel 2i, row g+8: channel 2i+1 of the thread's value channels)
+/// for tokens (j0, j1) of one item.
+template <int D>
+__device__ __forceinline__ void value_fragments(int kind, const std::uint32_t (&r0)[D / 16], const std::uint32_t (&r1)[D / 16],
+                                                std::uint32_t (&lo)[D / 16], std::uint32_t (&hi)[D / 16]) {
+  if (kind == 2) {
+    const std::uint32_t first = __byte_perm(r0[0], r1[0], 0x5410), second = __byte_perm(r0[0], r1[0], 0x7632);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      const std::uint32_t w = i < 4 ? first : second;
+      const int shift = 4 * (i % 4);
+      lo[i] = warp::codes_to_half2(w >> shift);
+      hi[i] = warp::codes_to_half2(w >> (shift + 2));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      lo[i] = __byte_perm(r0[i], r1[i], 0x5410);
+      hi[i] = __byte_perm(r0[i], r1[i], 0x7632);
+    }
+  }
+}
+
+/// Value scale and zero of tokens (2t, 2t+1) of a quantized item.
+__device__ __forceinline__ void value_meta(const decode_layout& L, const item_view& it, int t, float2& scale, float2& zero) {
+  if (it.kind == 2) {
+    const std::uint32_t s = __ldg(reinterpret_cast<const std::uint32_t*>(it.base + L.value_scale_offset) + t);
+    const std::uint32_t z = __ldg(reinterpret_cast<const std::uint32_t*>(it.base + L.value_zero_offset) + t);
+    scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
+    zero = make_float2(__uint_as_float(z << 16), __uint_as_float(z & 0xffff0000u));
+  } else {
+    scale = make_float2(1.0f, 1.0f);
+    zero = make_float2(0.0f, 0.0f);
+  }
+}
+
+/// Rotated, scaled queries and the e^{i j f} table, once per launch (not once per CTA).
+template <int D>
+__global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
+  const int b = blockIdx.x;
+  const lane_state lane = A.lanes[A.batch_lanes[b]];
+  const long long position = lane.first_position + lane.tokens - 1;
+  const int hq = L.kv_heads * L.group;
+  const float scale = log2e * rsqrtf(static_cast<float>(D));
+  for (int e = threadIdx.x; e < hq * (D / 2); e += blockDim.x) {
+    const int qh = e / (D / 2), p = e % (D / 2);
+    int ia, ib;
+    if (L.layout == rope_layout::interleaved) { ia = 2 * p; ib = 2 * p + 1; }
+    else { ia = p; ib = p + D / 2; }
+    const float* q = A.q + (static_cast<std::size_t>(b) * hq + qh) * D;
+    float* r = A.q_rotated + (static_cast<std::size_t>(b) * hq + qh) * D;
+    float c, s;
+    thread::rope_cos_sin(position, A.inv_freq[p], c, s);
+    const float x0 = q[ia], x1 = q[ib];
+    r[ia] = (x0 * c - x1 * s) * scale;
+    r[ib] = (x0 * s + x1 * c) * scale;
+  }
+  if (b == 0)
+    for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) {
+      float c, s;
+      thread::rope_cos_sin(e / (D / 2), A.inv_freq[e % (D / 2)], c, s);
+      A.cs_table[e] = make_float2(c, s);
+    }
+}
+
+template <int D, element_type E, bool EmitMass>
+__global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
+    decode_attention_kernel(const decode_layout L, const decode_arguments A) {
+  static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
+  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int lane_index = A.batch_lanes[b];
+  const lane_state lane = A.lanes[lane_index];
+  const int n_items = items_of(L, lane);
+  const int first_item = chunk * A.items_per_chunk;
+  if (first_item >= n_items) return;
+  const int chunk_items = min(A.items_per_chunk, n_items - first_item);
+
+  const int lane_id = threadIdx.x & 31, warp_id = threadIdx.x >> 5;
+  const int g = lane_id >> 2, t = lane_id & 3;
+  const int G = L.group;
+
+  __shared__ float2 cs_j[8 * (D / 2)];                      // e^{i j f_p}, j < 8
+  __shared__ float2 cs_t0[warps_per_cta][2][D / 2];          // e^{i t0 f_p} of the warp's two items
+  __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
+  __shared__ float o_s[warps_per_cta][8][D];
+  __shared__ float3 mlz_s[warps_per_cta][8];
+  __shared__ window_entry entries_s[max_items_per_chunk];   // this chunk's part of the window list
+
+  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[e] = A.cs_table[e];
+  const int has_sink = L.sinks > 0 ? 1 : 0;
+  const int first_entry = first_item - has_sink;  // entry index of local item 0
+  for (int li = threadIdx.x; li < chunk_items; li += blockDim.x) {
+    const int i = first_entry + li;
+    if (i >= 0 && i < lane.n_entries) entries_s[li] = A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i];
+  }
+
+  const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  int s0, s1;
+  key_spans<D>(L.layout, t, s0, s1);
+
+  // Query of head g: rows 0-7 of the A operand hold its high fp16 part, rows 8-15 the low part.
+  std::uint32_t q_hi[D / 8], q_lo[D / 8];
+  {
+    float x[D / 4];
+    if (g < G) {
+      const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + g) * D;
+#pragma unroll
+      for (int k = 0; k < D / 8; ++k) {
+        x[k] = q[s0 + k];
+        x[D / 8 + k] = q[s1 + k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < D / 4; ++k) x[k] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      q_hi[i] = warp::pack_half2(x[2 * i], x[2 * i + 1]);
+      const float2 back = warp::unpack_half2(q_hi[i]);
+      q_lo[i] = warp::pack_half2(x[2 * i] - back.x, x[2 * i + 1] - back.y);
+    }
+  }
+  __syncthreads();
+
+  float o[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m_run = -INFINITY, l_run = 0.0f, z_run = 0.0f;
+
+  const int n_pairs = (chunk_items + 1) / 2;
+  const int last = first_item + chunk_items;
+  // Two pairs ahead into L2: the loads of a pair then wait on L2, not on HBM.
+  for (int ahead = warp_id; ahead < min(n_pairs, warp_id + 2 * warps_per_cta); ahead += warps_per_cta) {
+    prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead, last, h), lane_id);
+    prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead + 1, last, h), lane_id);
+  }
+  for (int pair = warp_id; pair < n_pairs; pair += warps_per_cta) {
+    const int li_a = 2 * pair, li_b = 2 * pair + 1;
+    const item_view ia = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_a, last, h);
+    const item_view ib = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_b, last, h);
+    {
+      const int ahead = pair + 2 * warps_per_cta;
+      if (ahead < n_pairs) {
+        prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead, last, h), lane_id);
+        prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead + 1, last, h), lane_id);
+      }
+    }
+    // Values first: their loads are independent of everything below.
+    std::uint32_t va0[D / 16], va1[D / 16], vb0[D / 16], vb1[D / 16];
+    load_item_value_row<D, E>(L, ia, 2 * t, g, va0);
+    load_item_value_row<D, E>(L, ia, 2 * t + 1, g, va1);
+    load_item_value_row<D, E>(L, ib, 2 * t, g, vb0);
+    load_item_value_row<D, E>(L, ib, 2 * t + 1, g, vb1);
+    float2 vs_a, vz_a, vs_b, vz_b;
+    value_meta(L, ia, t, vs_a, vz_a);
+    value_meta(L, ib, t, vs_b, vz_b);
+    if (ia.kind == 2 || ib.kind == 2) {
+      for (int p = lane_id; p < D / 2; p += 32) {
+        float c, s;
+        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][p] = make_float2(c, s); }
+        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][p] = make_float2(c, s); }
+      }
+      __syncwarp();
+    }
+
+    float sa[2], sb[2];
+    {
+      float c[4];
+      score_item<D, E>(L, ia, g, s0, s1, cs_j, cs_t0[warp_id][0], q_hi, q_lo, c);
+      sa[0] = 2 * t < ia.valid ? c[0] + c[2] : -INFINITY;
+      sa[1] = 2 * t + 1 < ia.valid ? c[1] + c[3] : -INFINITY;
+      score_item<D, E>(L, ib, g, s0, s1, cs_j, cs_t0[warp_id][1], q_hi, q_lo, c);
+      sb[0] = 2 * t < ib.valid ? c[0] + c[2] : -INFINITY;
+      sb[1] = 2 * t + 1 < ib.valid ? c[1] + c[3] : -INFINITY;
+    }
+    __syncwarp();  // cs_t0 is rewritten by the next pair
+
+  // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
+    float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const bool none = m_new == -INFINITY;
+    const float alpha = none ? 1.0f : exp2f(m_run - m_new);
+    const float pa0 = none ? 0.f : exp2f(sa[0] - m_new), pa1 = none ? 0.f : exp2f(sa[1] - m_new);
+    const float pb0 = none ? 0.f : exp2f(sb[0] - m_new), pb1 = none ? 0.f : exp2f(sb[1] - m_new);
+    m_run = m_new;
+    l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
+    z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
+    if constexpr (EmitMass) {
+      float ma = pa0 + pa1, mb = pb0 + pb1;
+      ma += __shfl_xor_sync(0xffffffffu, ma, 1);
+      ma += __shfl_xor_sync(0xffffffffu, ma, 2);
+      mb += __shfl_xor_sync(0xffffffffu, mb, 1);
+      mb += __shfl_xor_sync(0xffffffffu, mb, 2);
+      if (t == 0) {
+        mass_s[li_a][g] = make_float2(ma, m_new);
+        if (li_b < chunk_items) mass_s[li_b][g] = make_float2(mb, m_new);
+      }
+    }
+    // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1.
+    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+    const std::uint32_t pb_lo = warp::pack_half2(pa0 * vs_a.x, pa1 * vs_a.y);
+    const std::uint32_t pb_hi = warp::pack_half2(pb0 * vs_b.x, pb1 * vs_b.y);
+    std::uint32_t a_lo[D / 16], a_hi[D / 16], b_lo[D / 16], b_hi[D / 16];
+    value_fragments<D>(ia.kind, va0, va1, a_lo, a_hi);
+    value_fragments<D>(ib.kind, vb0, vb1, b_lo, b_hi);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      o[i][0] *= al0;
+      o[i][1] *= al1;
+      o[i][2] *= al0;
+      o[i][3] *= al1;
+      warp::mma_f16(o[i], a_lo[i], a_hi[i], b_lo[i], b_hi[i], pb_lo, pb_hi);
+    }
+  }
+
+  // Warp partials -> shared memory.
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+  if (t == 0) mlz_s[warp_id][g] = make_float3(m_run, l_run, z_run);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    const int c = g * (D / 8) + 2 * i;
+    o_s[warp_id][2 * t][c] = o[i][0];
+    o_s[warp_id][2 * t + 1][c] = o[i][1];
+    o_s[warp_id][2 * t][c + 1] = o[i][2];
+    o_s[warp_id][2 * t + 1][c + 1] = o[i][3];
+  }
+  __syncthreads();
+
+  // CTA merge: common max per head, then this chunk's partial (output, max, sum).
+  const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
+  const std::size_t chunk_row = bh * A.max_chunks + chunk;
+  for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    const int hg = e / D, c = e % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
+    float acc = 0.f, l = 0.f;
+#pragma unroll
+    for (int w = 0; w < warps_per_cta; ++w) {
+      const float3 mlz = mlz_s[w][hg];
+      const float f = mlz.x == -INFINITY ? 0.f : exp2f(mlz.x - M);
+      acc += f * (o_s[w][hg][c] + mlz.z);
+      l += f * mlz.y;
+    }
+    A.part_o[chunk_row * G * D + e] = acc;
+    if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
+  }
+  if constexpr (EmitMass) {
+    for (int e = threadIdx.x; e < chunk_items * G; e += blockDim.x) {
+      const int li = e / G, hg = e % G;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
+      const float2 sm = mass_s[li][hg];
+      A.part_mass[(bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * G + hg] =
+          sm.y == -INFINITY ? 0.f : sm.x * exp2f(sm.y - M);
+    }
+  }
+}
+
+/// Log-sum-exp merge of the chunks; output and window mass. Grid: (x, batch).
+template <int D, bool EmitMass, class Scorer>
+__global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L, const decode_arguments A) {
+  extern __shared__ float factor_s[];  // [chunks][q_heads]: exp2(m_chunk - LSE)
+  const int b = blockIdx.y;
+  const int lane_index = A.batch_lanes[b];
+  const lane_state lane = A.lanes[lane_index];
+  const int n_items = items_of(L, lane);
+  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
+  const int G = L.group, HQ = L.kv_heads * G;
+  for (int qh = threadIdx.x; qh < HQ; qh += blockDim.x) {
+    const int h = qh / G, hg = qh % G;
+    const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
+    float M = -INFINITY, S = 0.f;
+    for (int c = 0; c < n_chunks; ++c) {
+      const float2 ml = A.part_ml[(row0 + c) * G + hg];
+      if (ml.x == -INFINITY) continue;
+      if (ml.x > M) {
+        S = S * exp2f(M - ml.x) + ml.y;
+        M = ml.x;
+      } else {
+        S += ml.y * exp2f(ml.x - M);
+      }
+    }
+    const float lse = M + log2f(S);
+    for (int c = 0; c < n_chunks; ++c) {
+      const float m = A.part_ml[(row0 + c) * G + hg].x;
+      factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2f(m - lse);
+    }
+  }
+  __syncthreads();
+
+  if constexpr (EmitMass) {
+    const int li = blockIdx.x * blockDim.x + threadIdx.x;
+    const int first_entry = L.sinks > 0 ? 1 : 0;
+    if (li >= first_entry && li < n_items) {
+      const int c = li / A.items_per_chunk;
+      float mass = 0.f;
+      for (int h = 0; h < L.kv_heads; ++h) {
+        const float* pm = A.part_mass + ((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * G;
+        for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
+      }
+      mass /= static_cast<float>(HQ);
+      const int i = li - first_entry;
+      const int w = i < lane.n_entries ? A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i].window
+                                       : lane.aged + (i - lane.n_entries);
+      window_record* table = reinterpret_cast<window_record*>(A.arena + static_cast<std::size_t>(lane_index) * L.region_bytes);
+      table[w].score = Scorer::accumulate(table[w].score, mass);
+    }
+  }
+
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < HQ * D; e += gridDim.x * blockDim.x) {
+    const int qh = e / D, c = e % D, h = qh / G, hg = qh % G;
+    const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
+    float acc = 0.f;
+    for (int ch = 0; ch < n_chunks; ++ch) acc += A.part_o[((row0 + ch) * G + hg) * D + c] * factor_s[ch * HQ + qh];
+    A.out[static_cast<std::size_t>(b) * HQ * D + e] = acc;
+  }
+}
+
+}  // namespace detail
+
+/// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
+/// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
+template <int D, element_type E, bool EmitMass, class Scorer>
+void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
+  qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
+  qevict::detail::require(L.window == 8, "decode_attention: the window must be 8 tokens");
+  qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
+  qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
+                  "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
+  if (args.batch == 0) return;
+  const int chunks = std::max(1, (max_items + args.items_per_chunk - 1) / args.items_per_chunk);
+  qevict::detail::require(chunks <= args.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
+  detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
+  QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
+  detail::decode_attention_kernel<D, E, EmitMass><<<grid, detail::warps_per_cta * 32, 0, stream>>>(L, args);
+  QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+  const int hq = L.kv_heads * L.group;
+  const int blocks_x = std::max((max_items + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
+  const std::size_t smem = static_cast<std::size_t>(chunks) * hq * sizeof(float);
+  qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");
+  if (smem > 48 * 1024)
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  detail::decode_merge_kernel<D, EmitMass, Scorer>
+      <<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(args.batch)), 256, smem, stream>>>(L, args);
+  QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
+}
+
+/// Runtime dispatch over head_dim and element type.
+template <bool EmitMass, class Scorer>
+void decode_attention(element_type e, const decode_layout& L, const decode_arguments& args, int max_items,
+                      cudaStream_t stream) {
+  qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
+                  "decode_attention: the cache element type must be bf16 or f16");
+  if (L.head_dim == 128) {
+    if (e == element_type::bf16) decode_attention<128, element_type::bf16, EmitMass, Scorer>(L, args, max_items, stream);
+    else decode_attention<128, element_type::f16, EmitMass, Scorer>(L, args, max_items, stream);
+  } else if (L.head_dim == 64) {
+    if (e == element_type::bf16) decode_attention<64, element_type::bf16, EmitMass, Scorer>(L, args, max_items, stream);
+    else decode_attention<64, element_type::f16, EmitMass, Scorer>(L, args, max_items, stream);
+  } else {
+    throw error("decode_attention: head_dim must be 64 or 128");
+  }
+}
+
+}  // namespace qevict::kernels

@@ -1,0 +1,221 @@
+// The fused decode-attention kernel against the host backend (double precision) on the same
+// cache bytes: the host backend builds a cache (sinks, Full, Quantized and Evicted windows,
+// a partly filled recent ring), the arena is copied to the GPU as is, and one decode step is
+// attended on both sides. Outputs and window masses must agree.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gpu_support.cuh"
+#include "qevict/cache.hpp"
+#include "qevict/kernels/decode_attention.cuh"
+
+namespace {
+
+using namespace qevict;
+using cfg = qevict::config<>;
+using gpu_test::device_buffer;
+
+struct case_spec {
+  int head_dim, group, batch;
+  element_type element;
+  budget b;
+  rope_layout layout = rope_layout::rotate_half;
+  int max_len = 2000;
+};
+
+struct built_cache {
+  std::vector<std::byte> arena;
+  std::vector<kernels::lane_state> lanes;
+  std::vector<kernels::window_entry> entries;
+  int max_items = 0;
+};
+
+/// Reads the lane states and window lists out of a host-backend arena.
+built_cache lanes_of(const cache<cfg>& kv, const std::vector<std::byte>& arena, const std::vector<sequence_id>& seqs,
+                     const std::vector<long long>& first, const kernels::decode_layout& L) {
+  built_cache out;
+  out.arena = arena;
+  const region_plan& p = kv.plan();
+  out.lanes.resize(seqs.size());
+  out.entries.assign(seqs.size() * static_cast<std::size_t>(L.entries_per_lane), kernels::window_entry{0, 0});
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    const auto ws = kv.windows(seqs[b], 0);
+    int aged = 0;
+    while (aged < static_cast<int>(ws.size()) && ws[static_cast<std::size_t>(aged)].where != tier::recent) ++aged;
+    const auto* table = reinterpret_cast<const window_record*>(arena.data() + b * p.region_bytes);
+    int n = 0;
+    for (int w = 0; w < aged; ++w) {
+      if (table[w].full_slot >= 0) out.entries[b * L.entries_per_lane + n++] = {w, table[w].full_slot};
+      else if (table[w].ledger_slot >= 0) out.entries[b * L.entries_per_lane + n++] = {w, ~table[w].ledger_slot};
+    }
+    kernels::lane_state& s = out.lanes[b];
+    s.tokens = kv.tokens(seqs[b], 0);
+    s.aged = aged;
+    s.n_entries = n;
+    s.first_position = first[b];
+    const int items = (p.sinks > 0 ? 1 : 0) + n + (static_cast<int>(ws.size()) - aged);
+    out.max_items = std::max(out.max_items, items);
+  }
+  return out;
+}
+
+void run_case(const case_spec& spec, unsigned seed) {
+  std::mt19937 rng(seed);
+  geometry g;
+  g.layers = 1;
+  g.kv_heads = 2;
+  g.q_heads = 2 * spec.group;
+  g.head_dim = spec.head_dim;
+  g.element = spec.element;
+  g.rope.theta = 500000.0f;
+  g.rope.layout = spec.layout;
+  const limits lim{.max_batch = spec.batch, .max_tokens = 4096};
+  options opt;
+  opt.routing = routing_mode::manual;
+  std::vector<std::byte> arena(cache<cfg>::required_bytes(g, spec.b, lim) + 64);
+  auto* base = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(arena.data()) + 63) & ~std::uintptr_t{63});
+  cache<cfg> kv(g, spec.b, lim, storage::external{base, cache<cfg>::required_bytes(g, spec.b, lim)}, opt);
+  const std::size_t krow = static_cast<std::size_t>(g.kv_heads) * g.head_dim;
+  const std::size_t qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
+
+  // Ragged lengths, some shorter than the sinks, one at the limit of the recent ring.
+  std::uniform_int_distribution<int> len_d(1, spec.max_len);
+  std::uniform_int_distribution<int> pos_d(0, 100000);
+  std::uniform_real_distribution<float> score_d(0.0f, 1.0f);
+  std::vector<sequence_id> seqs;
+  std::vector<long long> first;
+  std::vector<int> lengths;
+  for (int b = 0; b < spec.batch; ++b) {
+    first.push_back(b % 3 == 0 ? 0 : pos_d(rng));
+    seqs.push_back(kv.add_sequence(first.back()));
+    lengths.push_back(b == 1 ? 3 : b == 2 ? 6 : len_d(rng));
+  }
+  for (int b = 0; b < spec.batch; ++b) {
+    const sequence_id s = seqs[static_cast<std::size_t>(b)];
+    for (int i = 0; i < lengths[static_cast<std::size_t>(b)]; ++i) {
+      if (kv.plan().sinks <= kv.tokens(s, 0) &&
+          kv.tokens(s, 0) - kv.plan().sinks - static_cast<int>(kv.counts(s, 0).full + kv.counts(s, 0).quantized +
+                                                               kv.counts(s, 0).evicted) * 8 >= kv.plan().recent_capacity) {
+        // Random scores make routing move windows both ways (demotions, promotions, evictions).
+        for (const auto& w : kv.windows(s, 0)) kv.set_score(s, 0, w.index, score_d(rng));
+        kv.route(s);
+      }
+      // Keys with a per-token norm spread, so that attention is not uniform.
+      std::vector<float> k = gpu_test::normal(rng, krow), v = gpu_test::normal(rng, krow);
+      const float spread = 0.5f + 2.0f * score_d(rng);
+      for (auto& x : k) x *= spread;
+      const sequence_id one[1] = {s};
+      kv.append(0, one, k, v);
+    }
+  }
+  for (const sequence_id s : seqs)
+    for (const auto& w : kv.windows(s, 0)) kv.set_score(s, 0, w.index, 0.0f);
+
+  const kernels::decode_layout L = kernels::decode_layout::from_plan(kv.plan(), g.rope.layout);
+  const std::vector<std::byte> snapshot(base, base + cache<cfg>::required_bytes(g, spec.b, lim));
+  const built_cache built = lanes_of(kv, snapshot, seqs, first, L);
+
+  // Host reference.
+  const std::vector<float> q = gpu_test::normal(rng, qrow * spec.batch, 1.5f);
+  std::vector<float> ref(q.size());
+  kv.attend(0, seqs, q, ref);
+
+  // Kernel on the same bytes.
+  std::vector<int> batch_lanes(static_cast<std::size_t>(spec.batch));
+  for (int b = 0; b < spec.batch; ++b) batch_lanes[static_cast<std::size_t>(b)] = b;
+  device_buffer<std::byte> d_arena(built.arena);
+  device_buffer<kernels::lane_state> d_lanes(built.lanes);
+  device_buffer<kernels::window_entry> d_entries(built.entries);
+  device_buffer<int> d_batch(batch_lanes);
+  device_buffer<float> d_q(q);
+  device_buffer<float> d_out(q.size());
+  const auto inv = rope::rotary::inverse_frequencies(g.rope, g.head_dim);
+  device_buffer<double> d_inv(inv);
+  const int ipc = 32;
+  const auto ws = kernels::decode_workspace::sizes(L, spec.batch, ipc);
+  device_buffer<float> d_o(ws.o / sizeof(float));
+  device_buffer<float2> d_ml(ws.ml / sizeof(float2));
+  device_buffer<float> d_mass(ws.mass / sizeof(float));
+  device_buffer<float> d_qr(ws.q / sizeof(float));
+  device_buffer<float2> d_table(ws.table / sizeof(float2));
+  kernels::decode_arguments a;
+  a.arena = d_arena.ptr;
+  a.lanes = d_lanes.ptr;
+  a.entries = d_entries.ptr;
+  a.batch_lanes = d_batch.ptr;
+  a.batch = spec.batch;
+  a.q = d_q.ptr;
+  a.out = d_out.ptr;
+  a.inv_freq = d_inv.ptr;
+  a.part_o = d_o.ptr;
+  a.part_ml = d_ml.ptr;
+  a.part_mass = d_mass.ptr;
+  a.q_rotated = d_qr.ptr;
+  a.cs_table = d_table.ptr;
+  a.items_per_chunk = ipc;
+  a.max_chunks = kernels::decode_workspace::chunks_for(L, ipc);
+  kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
+  QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> out = d_out.download();
+  const std::vector<std::byte> arena_after = d_arena.download();
+
+  // Output: relative L2 error of every head's vector.
+  double worst = 0.0;
+  for (std::size_t hv = 0; hv < q.size() / g.head_dim; ++hv) {
+    double num = 0.0, den = 0.0;
+    for (int c = 0; c < g.head_dim; ++c) {
+      const double r = ref[hv * g.head_dim + c], o = out[hv * g.head_dim + c];
+      num += (o - r) * (o - r);
+      den += r * r;
+    }
+    REQUIRE(std::isfinite(num));
+    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+  }
+  CHECK_MESSAGE(worst <= 2e-3, "worst output relative error " << worst);
+
+  // Window mass: relative L1 per sequence.
+  double worst_mass = 0.0;
+  for (int b = 0; b < spec.batch; ++b) {
+    const auto* table = reinterpret_cast<const window_record*>(arena_after.data() + static_cast<std::size_t>(b) * kv.plan().region_bytes);
+    double num = 0.0, den = 0.0;
+    for (const auto& w : kv.windows(seqs[static_cast<std::size_t>(b)], 0)) {
+      num += std::abs(static_cast<double>(table[w.index].score) - w.score);
+      den += std::abs(static_cast<double>(w.score));
+    }
+    if (den > 0.0) worst_mass = std::max(worst_mass, num / den);
+  }
+  CHECK_MESSAGE(worst_mass <= 1e-3, "worst window-mass relative L1 error " << worst_mass);
+  MESSAGE("d=" << spec.head_dim << " G=" << spec.group << " batch=" << spec.batch << (spec.element == element_type::bf16 ? " bf16" : " f16")
+               << " K_f=" << kv.plan().caps.full << " K_q=" << kv.plan().caps.quantized << ": output " << worst
+               << ", mass " << worst_mass);
+}
+
+}  // namespace
+
+TEST_CASE("decode attention matches the host backend") {
+  const budget budgets[] = {budget::everything(), budget::fraction(1.0), budget::fraction(0.20), budget::fraction(0.05)};
+  unsigned seed = 1;
+  for (int d : {64, 128})
+    for (int group : {1, 4, 8})
+      for (int batch : {1, 7, 32})
+        for (element_type e : {element_type::bf16, element_type::f16})
+          for (const budget& b : budgets) {
+            CAPTURE(d);
+            CAPTURE(group);
+            CAPTURE(batch);
+            CAPTURE(static_cast<int>(e));
+            CAPTURE(static_cast<int>(b.what()));
+            CAPTURE(b.fraction_value());
+            run_case(case_spec{d, group, batch, e, b, rope_layout::rotate_half, batch == 32 ? 1200 : 3000}, seed++);
+          }
+}
+
+TEST_CASE("decode attention with interleaved rotary pairs") {
+  for (int d : {64, 128}) run_case(case_spec{d, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 2500}, 1000u + d);
+}
