@@ -136,10 +136,10 @@ using run_config = qevict::config<qevict::scorers::cumulative_mass, qevict::quan
 
 }  // namespace
 
-TEST_CASE("budget never exceeded: W = 8, q = 0.7, INT2 (the paper)") { random_run<run_config<8, 5, 32, 70, 2>>(0.2, 2000, 1); }
-TEST_CASE("budget never exceeded: W = 1, q = 0.7, INT4") { random_run<run_config<1, 4, 8, 70, 4>>(0.2, 1500, 2); }
-TEST_CASE("budget never exceeded: W = 1, q = 0, INT2") { random_run<run_config<1, 2, 4, 0, 2>>(0.15, 1000, 3); }
+TEST_CASE("budget never exceeded: W = 8, q = 0.7, INT2 (the paper)") { random_run<run_config<8, 5, 32, 70, 2>>(0.2, 1200, 1); }
+TEST_CASE("budget never exceeded: W = 1, q = 0.7, INT4") { random_run<run_config<1, 4, 8, 70, 4>>(0.2, 1000, 2); }
+TEST_CASE("budget never exceeded: W = 1, q = 0, INT2") { random_run<run_config<1, 2, 4, 0, 2>>(0.15, 700, 3); }
 // W = 32 windows are large: longer prompts and sequences, so that the tiers fill and evict.
-TEST_CASE("budget never exceeded: W = 32, q = 0.7, INT2") { random_run<run_config<32, 4, 32, 70, 2>>(0.2, 1500, 4, 1000, 600); }
-TEST_CASE("budget never exceeded: W = 32, q = 0, INT4") { random_run<run_config<32, 4, 16, 0, 4>>(0.3, 1000, 5, 1000, 600); }
-TEST_CASE("budget never exceeded: W = 8, q = 0, INT2") { random_run<run_config<8, 5, 32, 0, 2>>(0.2, 1000, 6); }
+TEST_CASE("budget never exceeded: W = 32, q = 0.7, INT2") { random_run<run_config<32, 4, 32, 70, 2>>(0.2, 1000, 4, 1000, 600); }
+TEST_CASE("budget never exceeded: W = 32, q = 0, INT4") { random_run<run_config<32, 4, 16, 0, 4>>(0.3, 700, 5, 1000, 600); }
+TEST_CASE("budget never exceeded: W = 8, q = 0, INT2") { random_run<run_config<8, 5, 32, 0, 2>>(0.2, 700, 6); }

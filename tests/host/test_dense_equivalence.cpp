@@ -37,7 +37,7 @@ void check_dense(const dense_case& c, qevict::budget budget, std::uint64_t seed)
   g.rope.theta = c.theta;
   const std::vector<int> prompts = {37, 3, 90};          // ragged, one shorter than the sinks
   const std::vector<long long> first = {0, 11, 1000};    // first positions
-  const int steps = c.head_dim >= 64 ? 160 : 240;
+  const int steps = c.head_dim >= 64 ? 120 : 200;
   qevict::cache<Config> kv(g, budget, qevict::limits{.max_batch = 3, .max_tokens = 400});
   histories hs;
   rng r(seed);
