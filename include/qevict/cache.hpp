@@ -44,7 +44,7 @@ class cache {
                 "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");
   static_assert(allocator_policy<typename Config::allocator>,
                 "qevict::cache: Config::allocator does not model qevict::allocator_policy "
-                "(needs name, keeps_everything, capacities split(hist, M_f, M_q) and bytes_to_keep_all(units, M_f, M_q))");
+                "(needs name, keeps_everything, capacities split(hist, M_f, M_q, units) and bytes_to_keep_all(units, M_f, M_q))");
   static_assert(routing_policy<typename Config::routing_policy>,
                 "qevict::cache: Config::routing_policy does not model qevict::routing_policy (needs name, rerank_after_first_event)");
   static_assert(selection_policy<typename Config::selection_policy>,
@@ -69,12 +69,19 @@ class cache {
 
   /// Bytes of the arena for this geometry, budget and limits (for external storage).
   static std::size_t required_bytes(const geometry& g, const budget& b, const limits& lim) {
-    const region_plan p = make_region_plan<Config>(g, b, lim);
-    return p.region_bytes * static_cast<std::size_t>(lim.max_batch) * static_cast<std::size_t>(g.layers);
+    std::size_t per_sequence = 0;
+    for (int l = 0; l < g.layers; ++l) per_sequence += make_region_plan<Config>(g, b, lim, l).region_bytes;
+    return per_sequence * static_cast<std::size_t>(lim.max_batch);
   }
 
   const geometry& geo() const { return engine_.geo(); }
+  /// The byte plan of layer 0 (every layer's, unless budget::with_layer_shares was used).
   const region_plan& plan() const { return engine_.plan(); }
+  /// The byte plan of one layer.
+  const region_plan& plan(int layer) const {
+    check_layer("plan", layer);
+    return engine_.plan(layer);
+  }
 
   // ---- sequences ---------------------------------------------------------------------------
   /// Starts a sequence whose first token sits at `first_position`.

@@ -45,7 +45,7 @@ template <class A>
 concept allocator_policy = requires(std::size_t n) {
   { A::name } -> std::convertible_to<const char*>;
   { A::keeps_everything } -> std::convertible_to<bool>;
-  { A::split(n, n, n) } -> std::same_as<capacities>;
+  { A::split(n, n, n, n) } -> std::same_as<capacities>;
   { A::bytes_to_keep_all(n, n, n) } -> std::convertible_to<std::size_t>;
 };
 

@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "qevict/core/numeric.hpp"
 
@@ -51,22 +53,32 @@ class budget {
   enum class kind : std::uint8_t { fraction, bytes, everything };
 
   /// A fraction of the full-precision cache of `limits::max_tokens` tokens.
-  static constexpr budget fraction(double f) { return budget{kind::fraction, f, 0}; }
+  static budget fraction(double f) { return budget{kind::fraction, f, 0}; }
   /// An absolute number of bytes per sequence per layer.
-  static constexpr budget bytes_per_sequence_layer(std::size_t b) { return budget{kind::bytes, 0.0, b}; }
-  /// Exactly enough for every window to stay Full under the configured allocator (the
-  /// uncompressed reference, with the same accounting).
-  static constexpr budget everything() { return budget{kind::everything, 0.0, 0}; }
+  static budget bytes_per_sequence_layer(std::size_t b) { return budget{kind::bytes, 0.0, b}; }
+  /// Exactly enough for every window to be kept at its best tier under the configured allocator
+  /// (the uncompressed reference, with the same accounting).
+  static budget everything() { return budget{kind::everything, 0.0, 0}; }
 
-  constexpr kind what() const { return kind_; }
-  constexpr double fraction_value() const { return fraction_; }
-  constexpr std::size_t bytes_value() const { return bytes_; }
+  /// Splits the same total over layers in proportion to `shares` (one positive value per layer):
+  /// layer l gets budget × layers × shares[l] / Σ shares.
+  budget with_layer_shares(std::vector<double> shares) const {
+    budget b = *this;
+    b.shares_ = std::move(shares);
+    return b;
+  }
+
+  kind what() const { return kind_; }
+  double fraction_value() const { return fraction_; }
+  std::size_t bytes_value() const { return bytes_; }
+  const std::vector<double>& layer_shares() const { return shares_; }
 
  private:
-  constexpr budget(kind k, double f, std::size_t b) : kind_(k), fraction_(f), bytes_(b) {}
+  budget(kind k, double f, std::size_t b) : kind_(k), fraction_(f), bytes_(b) {}
   kind kind_;
   double fraction_;
   std::size_t bytes_;
+  std::vector<double> shares_;
 };
 
 enum class routing_mode : std::uint8_t {

@@ -108,7 +108,7 @@ struct region_plan {
 
 /// Builds the plan for `Config`, or throws qevict::error naming what does not fit.
 template <class Config>
-region_plan make_region_plan(const geometry& g, const budget& b, const limits& lim) {
+region_plan make_region_plan(const geometry& g, const budget& b, const limits& lim, int layer = 0) {
   using W = typename Config::window_policy;
   using Q = typename Config::quantizer;
   using A = typename Config::allocator;
@@ -148,26 +148,40 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   }
 
   const std::size_t fixed = p.sink_bytes() + p.recent_bytes() + p.table_bytes();
+  const std::vector<double>& shares = b.layer_shares();
+  double share = 1.0;  // this layer's share, normalised so that the shares average 1
+  if (!shares.empty()) {
+    detail::require(shares.size() == static_cast<std::size_t>(g.layers),
+                    "budget::with_layer_shares: " + std::to_string(shares.size()) + " shares for " + std::to_string(g.layers) +
+                        " layers");
+    double sum = 0.0;
+    for (double x : shares) {
+      detail::require(x > 0.0 && x < 1e300, "budget::with_layer_shares: every share must be positive and finite");
+      sum += x;
+    }
+    share = shares[static_cast<std::size_t>(layer)] * static_cast<double>(g.layers) / sum;
+  }
   switch (b.what()) {
     case budget::kind::fraction: {
       const double f = b.fraction_value();
       detail::require(f > 0.0 && f <= 1.0, "budget::fraction(" + std::to_string(f) + "): the fraction must be in (0, 1]");
-      p.budget_bytes = static_cast<std::size_t>(f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes));
+      p.budget_bytes = static_cast<std::size_t>(share * f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes));
       break;
     }
-    case budget::kind::bytes: p.budget_bytes = b.bytes_value(); break;
+    case budget::kind::bytes: p.budget_bytes = static_cast<std::size_t>(share * static_cast<double>(b.bytes_value())); break;
     case budget::kind::everything:
       p.budget_bytes = fixed + A::bytes_to_keep_all(p.table_entries(), p.full_window_bytes, p.quantized_window_bytes());
       break;
   }
   detail::require(p.budget_bytes >= fixed,
-                  "budget of " + std::to_string(p.budget_bytes) + " bytes per sequence per layer cannot hold the " +
+                  "budget of " + std::to_string(p.budget_bytes) + " bytes per sequence in layer " + std::to_string(layer) +
+                      " cannot hold the " +
                       std::to_string(W::sinks) + " sinks (" + std::to_string(p.sink_bytes()) + " B), the recent region of " +
                       std::to_string(p.recent_capacity) + " tokens (" + std::to_string(p.recent_bytes()) +
                       " B) and the window table (" + std::to_string(p.table_bytes()) + " B): at least " +
                       std::to_string(fixed) + " bytes are needed");
   p.hist_bytes = p.budget_bytes - fixed;
-  p.caps = A::split(p.hist_bytes, p.full_window_bytes, p.quantized_window_bytes());
+  p.caps = A::split(p.hist_bytes, p.full_window_bytes, p.quantized_window_bytes(), p.table_entries());
   // Never reserve more than the windows that can exist.
   p.caps.full = std::min(p.caps.full, p.table_entries());
   p.caps.quantized = std::min(p.caps.quantized, p.table_entries());

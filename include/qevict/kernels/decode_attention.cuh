@@ -209,6 +209,15 @@ __device__ __forceinline__ int items_of(const decode_layout& L, const lane_state
   return (L.sinks > 0 ? 1 : 0) + lane.n_entries + (started - lane.aged);
 }
 
+/// Shared-memory index of rotary pair p: one spare entry after every D/8 pairs. A thread reads
+/// pairs (D/8)t + k, so without the padding all 32 lanes of a warp hit one bank.
+template <int D>
+__device__ __forceinline__ int pair_slot(int p) { return p + p / (D / 8); }
+/// Entries of one row of the e^{i j f} table (the row stride is 8 words mod 32: rows land in
+/// different banks).
+template <int D>
+constexpr int pair_row = D / 2 + 4;
+
 /// Channel spans of thread t (t = lane % 4): span 0 and span 1 hold D/8 channels each, and every
 /// rotary pair lies inside the thread.
 template <int D>
@@ -341,12 +350,15 @@ __device__ __forceinline__ void score_item(const decode_layout& L, const item_vi
         const std::uint32_t sw = sc[span][k / 2], zw = ze[span][k / 2];
         const float s = __uint_as_float(k % 2 == 0 ? sw << 16 : sw & 0xffff0000u);
         const float z = __uint_as_float(k % 2 == 0 ? zw << 16 : zw & 0xffff0000u);
-        x[span * (D / 8) + k] = fmaf(s, static_cast<float>((cw >> (2 * k)) & 3u), z);
+        // 2^23 + code, exactly, minus 2^23: a full-rate conversion (I2F runs at quarter rate).
+        const float code = __uint_as_float(0x4B000000u | ((cw >> (2 * k)) & 3u)) - 8388608.0f;
+        x[span * (D / 8) + k] = fmaf(s, code, z);
       }
     }
     // Token g sits at t0 + g: rotation = e^{i t0 f} * e^{i g f}.
     rotate_spans<D>(x, L.layout, s0, s1, [&](int p) {
-      const float2 a = cs_t0[p], b = cs_j[g * (D / 2) + p];
+      const int slot = pair_slot<D>(p);
+      const float2 a = cs_t0[slot], b = cs_j[g * pair_row<D> + slot];
       return make_float2(a.x * b.x - a.y * b.y, a.y * b.x + a.x * b.y);
     });
     std::uint32_t kb[D / 8];
@@ -470,14 +482,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int g = lane_id >> 2, t = lane_id & 3;
   const int G = L.group;
 
-  __shared__ float2 cs_j[8 * (D / 2)];                      // e^{i j f_p}, j < 8
-  __shared__ float2 cs_t0[warps_per_cta][2][D / 2];          // e^{i t0 f_p} of the warp's two items
+  __shared__ float2 cs_j[8 * pair_row<D>];                  // e^{i j f_p}, j < 8 (padded, see pair_slot)
+  __shared__ float2 cs_t0[warps_per_cta][2][pair_row<D>];    // e^{i t0 f_p} of the warp's two items
   __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
-  __shared__ float o_s[warps_per_cta][8][D];
+  __shared__ float o_s[warps_per_cta][8][D + 1];
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ window_entry entries_s[max_items_per_chunk];   // this chunk's part of the window list
 
-  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[e] = A.cs_table[e];
+  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[(e / (D / 2)) * pair_row<D> + pair_slot<D>(e % (D / 2))] = A.cs_table[e];
   const int has_sink = L.sinks > 0 ? 1 : 0;
   const int first_entry = first_item - has_sink;  // entry index of local item 0
   for (int li = threadIdx.x; li < chunk_items; li += blockDim.x) {
@@ -548,8 +560,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (ia.kind == 2 || ib.kind == 2) {
       for (int p = lane_id; p < D / 2; p += 32) {
         float c, s;
-        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][p] = make_float2(c, s); }
-        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][p] = make_float2(c, s); }
+        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][pair_slot<D>(p)] = make_float2(c, s); }
+        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][pair_slot<D>(p)] = make_float2(c, s); }
       }
       __syncwarp();
     }

@@ -23,7 +23,7 @@ struct three_tier {
   /// Whether the method is defined only when nothing is ever evicted.
   static constexpr bool keeps_everything = false;
   static constexpr capacities split(std::size_t hist_bytes, std::size_t full_window_bytes,
-                                    std::size_t quantized_window_bytes) {
+                                    std::size_t quantized_window_bytes, std::size_t /*units*/ = 0) {
     capacities c;
     c.full = (static_cast<std::uint64_t>(100 - QPercent) * hist_bytes) / (100u * full_window_bytes);
     c.quantized = quantized_window_bytes == 0
@@ -55,11 +55,31 @@ struct quantize_all {
   static constexpr const char* name = "quantize_all";
   static constexpr int quantized_percent = 100;
   static constexpr bool keeps_everything = true;
-  static constexpr capacities split(std::size_t hist_bytes, std::size_t, std::size_t quantized_window_bytes) {
+  static constexpr capacities split(std::size_t hist_bytes, std::size_t, std::size_t quantized_window_bytes,
+                                    std::size_t /*units*/ = 0) {
     return capacities{0, quantized_window_bytes ? hist_bytes / quantized_window_bytes : 0};
   }
   static constexpr std::size_t bytes_to_keep_all(std::size_t windows, std::size_t, std::size_t quantized_window_bytes) {
     return windows * quantized_window_bytes;
+  }
+};
+
+/// Two precisions, nothing evicted (ZipCache): every one of the `units` windows a sequence can
+/// have gets a record in the quantized pool (K_q = units), and what the budget has left buys
+/// top-tier windows (K_f), which the ranking gives to the most salient windows.
+struct mixed_precision {
+  static constexpr const char* name = "mixed_precision";
+  static constexpr int quantized_percent = 100;
+  static constexpr bool keeps_everything = true;
+  static constexpr capacities split(std::size_t hist_bytes, std::size_t full_window_bytes,
+                                    std::size_t quantized_window_bytes, std::size_t units = 0) {
+    const std::size_t all = units * quantized_window_bytes;
+    if (hist_bytes < all) return capacities{0, quantized_window_bytes ? hist_bytes / quantized_window_bytes : 0};
+    return capacities{(hist_bytes - all) / full_window_bytes, units};
+  }
+  static constexpr std::size_t bytes_to_keep_all(std::size_t windows, std::size_t full_window_bytes,
+                                                 std::size_t quantized_window_bytes) {
+    return windows * (quantized_window_bytes + full_window_bytes);
   }
 };
 

@@ -72,7 +72,14 @@ class host_cache {
  public:
   host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
              std::size_t external_bytes)
-      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim)) {
+      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim, 0)) {
+    // Layers share everything but their budget (budget::with_layer_shares): each gets its own
+    // capacities and region size; regions of one sequence lie back to back.
+    for (int l = 0; l < g.layers; ++l) {
+      plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
+      layer_offset_.push_back(sequence_stride_);
+      sequence_stride_ += plans_.back().region_bytes;
+    }
     detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
     const std::size_t need = required_bytes();
     if (external != nullptr) {
@@ -86,14 +93,20 @@ class host_cache {
     }
     inv_freq_ = rope::inverse_frequencies(g.rope, g.head_dim);
     lanes_.resize(static_cast<std::size_t>(lim.max_batch) * g.layers);
-    for (auto& lane : lanes_) {
-      lane.free_full.reserve(plan_.caps.full);
-      lane.free_ledger.reserve(plan_.caps.quantized);
+    for (std::size_t i = 0; i < lanes_.size(); ++i) {
+      const region_plan& p = plans_[i % static_cast<std::size_t>(g.layers)];
+      lanes_[i].free_full.reserve(p.caps.full);
+      lanes_[i].free_ledger.reserve(p.caps.quantized);
+    }
+    capacities most{};
+    for (const region_plan& p : plans_) {
+      most.full = std::max(most.full, p.caps.full);
+      most.quantized = std::max(most.quantized, p.caps.quantized);
     }
     sequences_.resize(static_cast<std::size_t>(lim.max_batch));
     const std::size_t d = static_cast<std::size_t>(g.head_dim);
     const std::size_t max_access = static_cast<std::size_t>(plan_.sinks) +
-                                   (plan_.caps.full + plan_.caps.quantized) * plan_.window +
+                                   (most.full + most.quantized) * plan_.window +
                                    static_cast<std::size_t>(plan_.recent_capacity);
     keys_.resize(max_access * d);
     values_.resize(max_access * d);
@@ -113,11 +126,12 @@ class host_cache {
 
   // ---- sizes -------------------------------------------------------------------------------
   const region_plan& plan() const { return plan_; }
+  const region_plan& plan(int layer) const { return plans_[static_cast<std::size_t>(layer)]; }
   const geometry& geo() const { return geo_; }
   const limits& lim() const { return lim_; }
   const options& opts() const { return opt_; }
   std::size_t required_bytes() const {
-    return plan_.region_bytes * static_cast<std::size_t>(lim_.max_batch) * static_cast<std::size_t>(geo_.layers);
+    return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch);
   }
 
   // ---- sequences ---------------------------------------------------------------------------
@@ -359,7 +373,7 @@ class host_cache {
 
   budget_report report() const {
     budget_report r;
-    r.caps = plan_.caps;
+    r.caps = plan_.caps;  // layer 0's; budget::with_layer_shares gives each layer its own
     r.units = static_cast<std::size_t>(plan_.units);
     r.budget_per_sequence_layer = plan_.budget_bytes;
     r.full_window_bytes = plan_.full_window_bytes;
@@ -379,8 +393,8 @@ class host_cache {
         lr.used.quantized_metadata += c.quantized * plan_.record.metadata_bytes();
         lr.used.ledger_copies += c.ledger_copies * plan_.quantized_window_bytes();
         lr.used.tables += plan_.table_bytes();
-        lr.reserved += plan_.reserved();
-        lr.budget_bytes += plan_.budget_bytes;
+        lr.reserved += plan(l).reserved();
+        lr.budget_bytes += plan(l).budget_bytes;
         lr.full_cache_bytes += static_cast<std::size_t>(lane_of(static_cast<sequence_id>(s), l).tokens) * plan_.token_bytes;
       }
     }
@@ -401,7 +415,7 @@ class host_cache {
       if (t == tier::full) {
         load_full(s, w, region, rec, kw.data(), vw.data());
       } else if (t == tier::quantized) {
-        dequantize_rotated(s, w, ledger_of(region, rec.ledger_slot), plan_.record, kw.data(), vw.data());
+        dequantize_rotated(s, w, ledger_of(layer, region, rec.ledger_slot), plan_.record, kw.data(), vw.data());
       } else {
         detail::require(plan_.sinks + (w + 1) * plan_.window <= lane.tokens,
                         "read_window: window " + std::to_string(w) + " is not complete yet");
@@ -422,7 +436,7 @@ class host_cache {
     const std::byte* region = region_of(s, layer);
     const window_record& rec = table_of(region)[w * plan_.units + unit];
     if (rec.ledger_slot < 0) return {};
-    return {ledger_of(region, rec.ledger_slot), plan_.quantized_window_bytes()};
+    return {ledger_of(layer, region, rec.ledger_slot), plan_.quantized_window_bytes()};
   }
 
   /// Replace window w's cumulative score, of one unit or (unit < 0) of all its units (for
@@ -478,10 +492,10 @@ class host_cache {
     return lanes_[static_cast<std::size_t>(s) * geo_.layers + layer];
   }
   std::byte* region_of(sequence_id s, int layer) {
-    return arena_ + (static_cast<std::size_t>(s) * geo_.layers + layer) * plan_.region_bytes;
+    return arena_ + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
   }
   const std::byte* region_of(sequence_id s, int layer) const {
-    return arena_ + (static_cast<std::size_t>(s) * geo_.layers + layer) * plan_.region_bytes;
+    return arena_ + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
   }
   static window_record* table_of(std::byte* region) { return reinterpret_cast<window_record*>(region); }
   static const window_record* table_of(const std::byte* region) { return reinterpret_cast<const window_record*>(region); }
@@ -498,11 +512,12 @@ class host_cache {
   block full_block(const std::byte* region, int slot) const {
     return block{full_slot_of(region, slot), plan_.window, geo_.head_dim, geo_.element};
   }
-  std::uint8_t* ledger_of(std::byte* region, int slot) const {
-    return reinterpret_cast<std::uint8_t*>(region + plan_.ledger_offset + static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
+  std::uint8_t* ledger_of(int layer, std::byte* region, int slot) const {
+    return reinterpret_cast<std::uint8_t*>(region + plan(layer).ledger_offset +
+                                           static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
   }
-  const std::uint8_t* ledger_of(const std::byte* region, int slot) const {
-    return reinterpret_cast<const std::uint8_t*>(region + plan_.ledger_offset +
+  const std::uint8_t* ledger_of(int layer, const std::byte* region, int slot) const {
+    return reinterpret_cast<const std::uint8_t*>(region + plan(layer).ledger_offset +
                                                  static_cast<std::size_t>(slot) * plan_.quantized_window_bytes());
   }
 
@@ -545,8 +560,8 @@ class host_cache {
     lane.routed = false;
     lane.free_full.clear();
     lane.free_ledger.clear();
-    for (int i = static_cast<int>(plan_.caps.full) - 1; i >= 0; --i) lane.free_full.push_back(i);
-    for (int i = static_cast<int>(plan_.caps.quantized) - 1; i >= 0; --i) lane.free_ledger.push_back(i);
+    for (int i = static_cast<int>(plan(layer).caps.full) - 1; i >= 0; --i) lane.free_full.push_back(i);
+    for (int i = static_cast<int>(plan(layer).caps.quantized) - 1; i >= 0; --i) lane.free_ledger.push_back(i);
     window_record* table = table_of(region_of(s, layer));
     for (std::size_t e = 0; e < plan_.table_entries(); ++e) table[e] = window_record{};
   }
@@ -628,7 +643,7 @@ class host_cache {
             push(first + j, [&](int c) { return b.key(hl, j, c); }, [&](int c) { return b.value(hl, j, c); });
         }
       } else if (t == tier::quantized) {
-        push_quantized(w, type_tag<quantizer>{}, ledger_of(region, rec.ledger_slot), plan_.record);
+        push_quantized(w, type_tag<quantizer>{}, ledger_of(layer, region, rec.ledger_slot), plan_.record);
       }
     }
     const block recent = recent_block(region);
@@ -664,12 +679,12 @@ class host_cache {
   }
 
   /// Quantizes window w (post-RoPE keys, values; [window][hu][d]) into a new ledger record.
-  void quantize_into_ledger(sequence_id s, std::byte* region, lane_state& lane, window_record& rec, int w,
+  void quantize_into_ledger(sequence_id s, int layer, std::byte* region, lane_state& lane, window_record& rec, int w,
                             float* k_post, const float* v) {
     unrotate(s, w, k_post);
     rec.ledger_slot = lane.free_ledger.back();
     lane.free_ledger.pop_back();
-    quantizer::quantize(plan_.record, k_post, v, ledger_of(region, rec.ledger_slot));
+    quantizer::quantize(plan_.record, k_post, v, ledger_of(layer, region, rec.ledger_slot));
   }
 
   /// Takes a Full slot for window w and stores its keys (post-RoPE) and values there.
@@ -719,7 +734,7 @@ class host_cache {
     const int aged_after = std::max(aged_before, aged_windows_for(lane.tokens));
     // A frozen selection only places the newly aged windows, into the slots still free.
     const bool frozen = !rerank && lane.routed;
-    const capacities caps = frozen ? capacities{lane.free_full.size(), lane.free_ledger.size()} : plan_.caps;
+    const capacities caps = frozen ? capacities{lane.free_full.size(), lane.free_ledger.size()} : plan(layer).caps;
 
     // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged units.
     std::size_t n = 0;
@@ -747,7 +762,7 @@ class host_cache {
       if (c.next != tier::quantized || previous(c) != tier::full) continue;
       if (rec.ledger_slot < 0) {
         load_full(s, c.window / U, region, rec, kw, vw);
-        quantize_into_ledger(s, region, lane, rec, c.window / U, kw, vw);
+        quantize_into_ledger(s, layer, region, lane, rec, c.window / U, kw, vw);
       }
       lane.free_full.push_back(rec.full_slot);
       rec.full_slot = -1;
@@ -756,13 +771,13 @@ class host_cache {
       const routing_candidate& c = candidates_[i];
       if (c.next != tier::quantized || previous(c) != tier::recent) continue;
       source(c.window / U, c.window % U, kw, vw);
-      quantize_into_ledger(s, region, lane, table[c.window], c.window / U, kw, vw);
+      quantize_into_ledger(s, layer, region, lane, table[c.window], c.window / U, kw, vw);
     }
     for (std::size_t i = 0; i < n; ++i) {  // 4. promote Quantized → Full (dequantize, re-apply RoPE)
       const routing_candidate& c = candidates_[i];
       window_record& rec = table[c.window];
       if (c.next != tier::full || previous(c) != tier::quantized) continue;
-      dequantize_rotated(s, c.window / U, ledger_of(region, rec.ledger_slot), plan_.record, kw, vw);
+      dequantize_rotated(s, c.window / U, ledger_of(layer, region, rec.ledger_slot), plan_.record, kw, vw);
       store_full(s, c.window / U, region, lane, rec, kw, vw);
     }
     for (std::size_t i = 0; i < n; ++i) {  // 5. newly aged → Full
@@ -774,11 +789,8 @@ class host_cache {
     // A routing event acts on the history of every live window, the recent ones included: a
     // decaying scorer must discount the mass a window gathered while it was still recent, or that
     // window would out-rank older windows with the same attention at the same age.
-    for (std::size_t i = 0; i < n; ++i) {
-      window_record& rec = table[candidates_[i].window];
-      rec.score = scorer::after_routing(rec.score);
-    }
-    for (int w = aged_after; w < windows_started(lane.tokens); ++w) table[w].score = scorer::after_routing(table[w].score);
+    for (int e = 0; e < windows_started(lane.tokens) * U; ++e)
+      if (tier_of(table[e], e / U < aged_after) != tier::evicted) table[e].score = scorer::after_routing(table[e].score);
     lane.aged = aged_after;
     lane.steps_since_route = 0;
     lane.routed = true;
@@ -787,7 +799,10 @@ class host_cache {
   geometry geo_;
   limits lim_;
   options opt_;
-  region_plan plan_;
+  region_plan plan_;  ///< layer 0's plan; every field but the budget-derived ones holds for all layers
+  std::vector<region_plan> plans_;
+  std::vector<std::size_t> layer_offset_;
+  std::size_t sequence_stride_ = 0;
   std::vector<double> inv_freq_;
   std::vector<std::byte> owned_;
   std::byte* arena_ = nullptr;
