@@ -737,6 +737,13 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
   qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
                   "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
+  // Rows and records are read in 16-byte pieces: every section of every region must be 16-byte
+  // aligned. The window table (12 bytes a window) breaks this unless max_windows is a multiple of
+  // 4, e.g. limits::max_tokens a power of two >= 32 with 5 sinks.
+  qevict::detail::require((L.region_bytes | L.sink_offset | L.recent_offset | L.full_offset | L.ledger_offset) % 16 == 0 &&
+                              reinterpret_cast<std::uintptr_t>(args.arena) % 16 == 0,
+                          "decode_attention: regions are not 16-byte aligned; choose limits::max_tokens so that "
+                          "(max_tokens - sinks + window - 1) / window is a multiple of 4");
   if (args.batch == 0) return;
   const int chunks = std::max(1, (max_items + args.items_per_chunk - 1) / args.items_per_chunk);
   qevict::detail::require(chunks <= args.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
