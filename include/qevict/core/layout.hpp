@@ -186,11 +186,22 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.caps.full = std::min(p.caps.full, p.table_entries());
   p.caps.quantized = std::min(p.caps.quantized, p.table_entries());
   if constexpr (A::keeps_everything) {
-    const std::size_t need = fixed + A::bytes_to_keep_all(p.table_entries(), p.full_window_bytes, p.quantized_window_bytes());
-    detail::require(p.caps.full + p.caps.quantized >= p.table_entries(),
-                    std::string("budget of ") + std::to_string(p.budget_bytes) + " bytes per sequence per layer: allocator " +
-                        A::name + " never evicts, so it needs at least " + std::to_string(need) + " bytes for " +
-                        std::to_string(lim.max_tokens) + " tokens");
+    if (p.caps.full + p.caps.quantized < p.table_entries()) {
+      // The least history the allocator's own split turns into a tier for every window.
+      // bytes_to_keep_all is enough but can be more (mixed_precision: every window in the top tier).
+      const std::size_t windows = p.table_entries();
+      std::size_t lo = 0, hi = A::bytes_to_keep_all(windows, p.full_window_bytes, p.quantized_window_bytes());
+      while (lo < hi) {
+        const std::size_t mid = lo + (hi - lo) / 2;
+        const capacities c = A::split(mid, p.full_window_bytes, p.quantized_window_bytes(), windows);
+        if (std::min(c.full, windows) + std::min(c.quantized, windows) >= windows) hi = mid;
+        else lo = mid + 1;
+      }
+      detail::require(false, std::string("budget of ") + std::to_string(p.budget_bytes) +
+                                 " bytes per sequence per layer: allocator " + A::name +
+                                 " never evicts, so it needs at least " + std::to_string(fixed + lo) + " bytes for " +
+                                 std::to_string(lim.max_tokens) + " tokens");
+    }
   }
 
   p.table_offset = 0;
