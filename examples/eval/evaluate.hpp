@@ -339,7 +339,12 @@ method_result run_method(const llama::model& m, const prompt_case& c, const refe
     // step and whenever the tiers changed.
     const dx::window_layout layout{S, W};
     std::vector<std::vector<dx::tier_snapshot>> history(L);
+    // A method that routes each KV head's copy of a window on its own (per-KV-head units) has no
+    // single tier per window: the window diagnostics do not apply and are left out.
+    const bool per_head = cache.plan().units > 1;
+    if (per_head) r.note = "routes per KV head: window diagnostics not computed";
     auto snapshot = [&](std::size_t at, bool force) {
+        if (per_head) return;
         for (std::size_t l = 0; l < L; ++l) {
             std::vector<dx::tier> tiers;
             for (const auto& w : cache.windows(seq, static_cast<int>(l))) {
@@ -399,7 +404,7 @@ method_result run_method(const llama::model& m, const prompt_case& c, const refe
     // Diagnostics per layer, then the layer mean.
     std::vector<double> fmm(L), fmm_nq(L), lir_d(L), lir_o(L), churn(L), churn_f(L), mf(L), mq(L), me(L), mp(L), agreement(L);
     std::vector<std::vector<dx::curve_point>> curve(L), curve_nq(L);
-    for (std::size_t l = 0; l < L; ++l) {
+    for (std::size_t l = 0; l < L && !per_head; ++l) {
         std::vector<dx::attention_step> trace;
         trace.reserve(D);
         for (std::size_t t = 1; t <= D; ++t) trace.push_back({t, ref.probs[l][t - 1]});
@@ -425,6 +430,10 @@ method_result run_method(const llama::model& m, const prompt_case& c, const refe
         for (double x : score_int2[l]) any = any || x > 0;
         agreement[l] = any ? dx::score_agreement(std::span<const double>(score_int2[l]), std::span<const double>(score_full[l]))
                            : not_applicable;
+    }
+    if (per_head) {
+        r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        return r;
     }
     r.fmm = detail::finite_mean(fmm);
     r.fmm_no_quant = detail::finite_mean(fmm_nq);
@@ -490,7 +499,8 @@ inline std::vector<method_result> run_evaluation(const llama::model& m, const ev
         if (std::find(wanted.begin(), wanted.end(), c) == wanted.end()) wanted.push_back(c);
     }
     auto selected = [&](std::string_view name) {
-        return opt.methods.empty() || std::find(wanted.begin(), wanted.end(), name) != wanted.end();
+        if (opt.methods.empty()) return !on_request_only(name);
+        return std::find(wanted.begin(), wanted.end(), name) != wanted.end();
     };
     std::size_t method_count = 0;
     for (const auto& k : known) method_count += selected(k) ? 1 : 0;
@@ -523,7 +533,23 @@ inline std::vector<method_result> run_evaluation(const llama::model& m, const ev
                         if (opt.progress)
                             *opt.progress << "[" << done << "/" << total << "] " << text_name << " " << ctx << " " << name << " "
                                           << b.label() << " ..." << std::flush;
-                        method_result r = run_method<Config>(m, c, ref, name, b, opt);
+                        method_result r;
+                        try {
+                            r = run_method<Config>(m, c, ref, name, b, opt);
+                        } catch (const std::exception& e) {
+                            // A method that fails after it was constructed is a finding, not a reason
+                            // to lose the rest of the evaluation.
+                            r = method_result{};
+                            r.text = c.text;
+                            r.context = c.context;
+                            r.prompt_index = c.index;
+                            r.method = std::string(name);
+                            r.budget_label = b.label();
+                            r.budget_fraction = b.everything() ? 0.0 : b.fraction;
+                            r.decode_steps = opt.decode_tokens;
+                            r.max_tokens = c.prompt.size() + opt.decode_tokens;
+                            r.note = std::string("error: ") + e.what();
+                        }
                         if (opt.progress) {
                             if (r.fits) {
                                 char line[160];
@@ -531,7 +557,7 @@ inline std::vector<method_result> run_evaluation(const llama::model& m, const ev
                                               r.seconds);
                                 *opt.progress << line;
                             } else {
-                                *opt.progress << " does not fit\n";
+                                *opt.progress << (r.note.rfind("error:", 0) == 0 ? " " + r.note : std::string(" does not fit")) << "\n";
                             }
                             *opt.progress << std::flush;
                         }

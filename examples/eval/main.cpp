@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
         std::cerr << "wrote " << (out_dir / "results.csv").string() << " (" << results.size() << " rows) and "
                   << (out_dir / "fmm_curves.csv").string() << "\n";
         if (plots && qevict_eval::write_plots(results, out_dir, &std::cerr))
-            std::cerr << "wrote accuracy.png, fmm.png, mass_split.png in " << out_dir.string() << "\n";
+            std::cerr << "wrote the plots (PNG) in " << out_dir.string() << "\n";
     } catch (const llama::load_error& e) {
         std::cerr << "qevict_eval: " << e.what() << "\n";
         return usage_error;

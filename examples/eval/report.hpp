@@ -78,7 +78,9 @@ inline std::string csv_row(const method_result& r) {
                      r.score_agreement})
         add(num(x));
     add(num(r.seconds, "%.2f"));
-    add(detail::csv_quote(r.fits ? "" : (r.note.empty() ? "does not fit" : "does not fit: " + r.note)));
+    std::string note = r.note;
+    if (!r.fits) note = r.note.rfind("error:", 0) == 0 ? r.note : (r.note.empty() ? "does not fit" : "does not fit: " + r.note);
+    add(detail::csv_quote(note));
     return s;
 }
 
@@ -145,6 +147,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
             for (const auto& r : results)
                 if (r.fits && r.budget_fraction > 0 && r.method == m && r.context == ctx) by_budget[r.budget_fraction].push_back(&r);
             const std::string name = "acc_" + m + "_" + std::to_string(ctx) + ".dat";
+            if (!by_budget.empty()) acc_files.push_back(name);
             auto out = detail::open_out(dir / name);
             out << "# budget_percent top1 kl (means over texts and prompts)\n";
             for (const auto& [fraction, rows] : by_budget) {
@@ -190,6 +193,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
     }
 
     // Mass split of R2 and R3 at the figure budget, one pair of bars per context.
+    std::size_t split_bars = 0;
     {
         auto out = detail::open_out(dir / "mass_split.dat");
         out << "# label full quantized evicted sinks+recent (reference mass shares, mean over texts and prompts)\n";
@@ -206,6 +210,7 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
                         ++n;
                     }
                 if (n == 0) continue;
+                ++split_bars;
                 out << "\"" << label << " " << ctx << "\" " << num(f / n) << " " << num(q / n) << " " << num(e / n) << " "
                     << num(p / n) << "\n";
             }
@@ -228,12 +233,14 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
             std::string s = "plot ";
             bool first = true;
             for (std::size_t i = 0; i < methods.size(); ++i) {
-                s += std::string(first ? "" : ", ") + "'acc_" + methods[i] + "_" + std::to_string(ctx) + ".dat' using 1:" +
+                const std::string file = "acc_" + methods[i] + "_" + std::to_string(ctx) + ".dat";
+                if (std::find(acc_files.begin(), acc_files.end(), file) == acc_files.end()) continue;
+                s += std::string(first ? "" : ", ") + "'" + file + "' using 1:" +
                      std::to_string(column) + " with linespoints lw 2 pt " + std::to_string(5 + static_cast<int>(i)) + " title '" +
                      (methods[i] == "qevict" ? std::string("qevict (R3)") : methods[i]) + "'";
                 first = false;
             }
-            return s + "\n";
+            return first ? std::string("set multiplot next\n") : s + "\n";  // nothing fits in this context
         };
         for (std::size_t ctx : contexts)
             gp << "set title 'context " << ctx << "'\nset xlabel 'budget (% of full cache)'\nset ylabel 'top-1 agreement'\n"
@@ -261,7 +268,8 @@ inline bool write_plots(const std::vector<method_result>& results, const fs::pat
             }
             gp << "\n";
         }
-        gp << "set terminal pngcairo size " << std::max<std::size_t>(560, 260 + 90 * 2 * contexts.size())
+        if (split_bars > 0)
+            gp << "set terminal pngcairo size " << std::max<std::size_t>(560, 260 + 90 * 2 * contexts.size())
            << ",460 font 'sans,10'\nset output 'mass_split.png'\n"
               "set title 'Reference attention mass by tier, budget "
            << fig.budget
