@@ -39,7 +39,7 @@ def main(path):
     prompts = len({r["prompt"] for r in rows})
 
     print(f"Top-1 agreement / mean KL(full ‖ method) in nats over the teacher-forced tokens; "
-          f"mean over {len(texts)} text(s) × {prompts} prompt(s). '–': the budget does not hold the method's fixed parts.\n")
+          f"mean over {len(texts)} text(s) × {prompts} prompt(s). 'does not fit': the budget does not hold the method's fixed parts.\n")
     print("| method | budget | " + " | ".join(f"{c} tokens" for c in contexts) + " |")
     print("|---|---|" + "---|" * len(contexts))
     for m in methods:
