@@ -137,8 +137,8 @@ struct defensivekv : detail::preset<config<scorers::defensive_mass, quantizers::
   static constexpr const char* simplified = "robust aggregation is the maximum over observation queries (no adaptive prior-risk correction)";
 };
 
-/// Layer-DefensiveKV: DefensiveKV with a budget per layer: give it budget::layer_shares(...),
-/// e.g. from presets::layer_shares_from_concentration on a calibration run.
+/// Layer-DefensiveKV: DefensiveKV with a budget per layer: give it budget.with_layer_shares({...}),
+/// one share per layer (e.g. from each layer's attention concentration on a calibration run).
 struct layer_defensivekv : detail::preset<defensivekv::config_type> {
   static constexpr const char* name = "layer_defensivekv";
   static constexpr const char* source = "Feng et al., DefensiveKV (layer-level budget allocation), 2025";
