@@ -22,7 +22,7 @@ using cache_t = qevict::cache<cfg>;
 
 const qevict::geometry geo{.layers = 2, .q_heads = 4, .kv_heads = 2, .head_dim = 8};
 constexpr std::size_t krow = 16, qrow = 32;
-// Fixed bytes: sinks 5*128 + recent 47*128 + table 10*12 = 6776; the rest buys K_f = 1, K_q = 19.
+// Fixed bytes: sinks 5*128 + recent 47*128 + table 10*12 padded to 128 = 6784; the rest buys K_f = 1, K_q = 19.
 const qevict::budget tight = qevict::budget::bytes_per_sequence_layer(12000);
 const qevict::limits lim{.max_batch = 3, .max_tokens = 80};
 
@@ -108,7 +108,7 @@ void expect_error(F&& call, const std::string& what) {
 }  // namespace
 
 TEST_CASE("construction: budget too small, external storage too small or misaligned, bad geometry") {
-  expect_error([] { cache_t kv(geo, qevict::budget::bytes_per_sequence_layer(6775), lim); }, "at least 6776 bytes are needed");
+  expect_error([] { cache_t kv(geo, qevict::budget::bytes_per_sequence_layer(6783), lim); }, "at least 6784 bytes are needed");
   expect_error([] { cache_t kv(geo, qevict::budget::fraction(0.01), lim); }, "cannot hold the 5 sinks");
   expect_error([] { cache_t kv(geo, qevict::budget::fraction(1.5), lim); }, "the fraction must be in (0, 1]");
   const std::size_t need = cache_t::required_bytes(geo, tight, lim);

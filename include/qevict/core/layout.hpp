@@ -10,6 +10,7 @@
 
 #include "qevict/config.hpp"
 #include "qevict/core/geometry.hpp"
+#include "qevict/core/tier.hpp"
 
 namespace qevict {
 
@@ -20,19 +21,6 @@ struct window_record {
   std::int32_t full_slot = -1;    ///< index in the Full pool, or -1
   std::int32_t ledger_slot = -1;  ///< index in the quantized pool (ledger), or -1
 };
-
-enum class tier : std::uint8_t { sink, recent, full, quantized, evicted };
-
-inline const char* to_string(tier t) {
-  switch (t) {
-    case tier::sink: return "sink";
-    case tier::recent: return "recent";
-    case tier::full: return "full";
-    case tier::quantized: return "quantized";
-    case tier::evicted: return "evicted";
-  }
-  return "?";
-}
 
 /// A window that has not yet aged out of the recent region is `recent`; after that it is Full
 /// while it holds a Full slot (it may also keep its ledger copy), quantized while it holds only
@@ -90,7 +78,9 @@ struct region_plan {
   constexpr std::size_t sink_bytes() const { return static_cast<std::size_t>(sinks) * token_bytes; }
   constexpr std::size_t recent_bytes() const { return static_cast<std::size_t>(recent_capacity) * token_bytes; }
   constexpr std::size_t table_entries() const { return static_cast<std::size_t>(max_windows) * units; }
-  constexpr std::size_t table_bytes() const { return table_entries() * sizeof(window_record); }
+  /// Padded to 16 bytes so that every later section starts 16-byte aligned (device kernels load
+  /// 16 bytes at a time); the padding is counted here, in the tables term.
+  constexpr std::size_t table_bytes() const { return (table_entries() * sizeof(window_record) + 15u) & ~std::size_t{15}; }
   constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
 
   /// What the region reserves, by term (ledger copies share the quantized pool).

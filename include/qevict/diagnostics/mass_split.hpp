@@ -42,6 +42,7 @@ struct mass_split {
             case tier::full: s.full += mass[j]; break;
             case tier::quantized: s.quantized += mass[j]; break;
             case tier::evicted: s.evicted += mass[j]; break;
+            default: break;  // validate_history admits no other tier
         }
     }
     s.sink = sink_mass(snapshot.layout, reference.probs);

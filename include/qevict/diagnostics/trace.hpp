@@ -22,11 +22,13 @@
 #include <string>
 #include <vector>
 
+#include "qevict/core/tier.hpp"
+
 namespace qevict::diagnostics {
 
-// The cache's three tiers for a routed window. Kept separate from the cache's own type so the
-// diagnostics depend on nothing but the standard library; an engine maps one onto the other.
-enum class tier : std::uint8_t { full, quantized, evicted };
+// The cache's own tier type; a routed window is full, quantized or evicted (validate_history
+// refuses the others).
+using qevict::tier;
 
 // Where sinks end and how wide a window is; window j covers [begin(j), end(j)).
 struct window_layout {
@@ -88,6 +90,12 @@ inline void validate_history(std::span<const tier_snapshot> history) {
         const tier_snapshot& now = history[r];
         detail::require(now.layout.window_size >= 1, where,
                         "snapshot " + std::to_string(r) + " has window_size 0");
+        for (std::size_t j = 0; j < now.window_count(); ++j) {
+            const tier t = now.tiers[j];
+            detail::require(t == tier::full || t == tier::quantized || t == tier::evicted, where,
+                            "window " + std::to_string(j) + " of snapshot " + std::to_string(r) +
+                                " is not routed (a snapshot holds full, quantized or evicted windows)");
+        }
         if (r == 0) continue;
         const tier_snapshot& before = history[r - 1];
         detail::require(now.step > before.step, where,
