@@ -9,15 +9,18 @@
 // windows. The kernel sees one virtual list of "items" of W = 8 tokens per lane:
 //   [the sink group] [the listed windows] [the windows still in the recent region]
 // A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
-// each of its four warps takes two items at a time.
+// each of its four warps takes two items at a time and streams its own items through shared
+// memory: 16-byte cp.async copies (zero-filled where a token does not exist) into rows padded by
+// 16 bytes, `stages` item pairs per warp, so that the next pair is in flight while one is computed.
 //
-// Tensor cores (mma.m16n8k16, fp16 in, fp32 accumulate):
-//   S = Q K^T per item:  A = the group's queries (rows 0-7: high fp16 part, rows 8-15: the low part,
-//                        so the query keeps ~22 bits), B = the item's 8 keys.
-//   O^T += V^T P^T per two items: A = 16 channels x 16 tokens of values, B = probabilities, whose
-//                        C->B fragment layouts line up, so P never leaves registers.
-// The contraction index is a free permutation of the channels, chosen so that a thread reads
-// contiguous 16-byte pieces and holds both halves of each rotary pair.
+// Tensor cores (mma.m16n8k16, the cache's 16-bit type in — bf16 or fp16 — fp32 accumulate):
+//   S = Q K^T per item:  A = the group's queries (rows 0-7: high part, rows 8-15: the low part,
+//                        so the query keeps 16 or 22 bits), B = the item's 8 keys (ldmatrix).
+//   O^T += V^T P^T per two items: A = 16 channels x 16 tokens of values (ldmatrix.trans),
+//                        B = probabilities (bf16: high and low part), whose C->B fragment
+//                        layouts line up, so P never leaves registers.
+// The contraction index is the channel in mma order: a thread owns channels
+// 16s + {2t, 2t+1, 2t+8, 2t+9}, which holds both halves of every rotary pair.
 //
 // INT2 metadata is folded: a value's per-token scale multiplies its probability and its zero
 // accumulates as sum(p * zero) per head, so value codes enter the tensor core as exact integers.
@@ -209,226 +212,174 @@ __device__ __forceinline__ int items_of(const decode_layout& L, const lane_state
   return (L.sinks > 0 ? 1 : 0) + lane.n_entries + (started - lane.aged);
 }
 
-/// Shared-memory index of rotary pair p: one spare entry after every D/8 pairs. A thread reads
-/// pairs (D/8)t + k, so without the padding all 32 lanes of a warp hit one bank.
+/// Items are staged in shared memory: rows of D elements padded by 16 bytes, so that the eight
+/// row addresses of an ldmatrix (and the row reads of the INT2 path) fall in different banks.
 template <int D>
-__device__ __forceinline__ int pair_slot(int p) { return p + p / (D / 8); }
-/// Entries of one row of the e^{i j f} table (the row stride is 8 words mod 32: rows land in
-/// different banks).
+constexpr int row_stride = D * 2 + 16;
+/// One item in shared memory: keys in rows 0-7, values in rows 8-15; a quantized record is
+/// copied as is (unpadded) from the item's start.
 template <int D>
-constexpr int pair_row = D / 2 + 4;
+constexpr int item_bytes = 16 * row_stride<D>;
+/// Stages (item pairs in flight or in use) of each warp's copy pipeline.
+#ifndef QEVICT_DECODE_STAGES
+#define QEVICT_DECODE_STAGES 2
+#endif
+constexpr int stages = QEVICT_DECODE_STAGES;
+template <int D>
+constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D>;
 
-/// Channel spans of thread t (t = lane % 4): span 0 and span 1 hold D/8 channels each, and every
-/// rotary pair lies inside the thread.
+/// Row of the e^{i j f_p} table: D/2 pairs plus 8 spare entries, so that rows j and j+1 start 64
+/// bytes apart modulo 128 (the four threads of a token read 64 contiguous bytes).
 template <int D>
-__device__ __forceinline__ void key_spans(rope_layout layout, int t, int& s0, int& s1) {
-  if (layout == rope_layout::interleaved) {
-    s0 = t * (D / 4);
-    s1 = s0 + D / 8;
+constexpr int pair_row = D / 2 + 8;
+
+/// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
+/// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
+/// probability never meets a stale NaN.
+template <int D>
+__device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, std::uint8_t* dst,
+                                          const std::uint8_t* fallback, int lane_id) {
+  if (it.kind == 2) {
+    const int pieces = static_cast<int>(L.record_head_bytes / 16);
+    for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
   } else {
-    s0 = t * (D / 8);
-    s1 = D / 2 + s0;
-  }
-}
-
-/// Rotates the thread's D/4 channels x (span 0 then span 1) with cos/sin of pair p given by cs(p).
-template <int D, class CosSin>
-__device__ __forceinline__ void rotate_spans(float (&x)[D / 4], rope_layout layout, int s0, int s1, CosSin&& cs) {
-  if (layout == rope_layout::interleaved) {
+    constexpr int per_row = D * 2 / 16;
 #pragma unroll
-    for (int span = 0; span < 2; ++span) {
-      const int base = span == 0 ? s0 : s1;
-#pragma unroll
-      for (int m = 0; m < D / 16; ++m) {
-        const float2 r = cs(base / 2 + m);
-        const float a = x[span * (D / 8) + 2 * m], b = x[span * (D / 8) + 2 * m + 1];
-        x[span * (D / 8) + 2 * m] = a * r.x - b * r.y;
-        x[span * (D / 8) + 2 * m + 1] = a * r.y + b * r.x;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < D / 8; ++k) {
-      const float2 r = cs(s0 + k);
-      const float a = x[k], b = x[D / 8 + k];
-      x[k] = a * r.x - b * r.y;
-      x[D / 8 + k] = a * r.y + b * r.x;
-    }
-  }
-}
-
-template <int Bytes>
-struct raw_chunk;
-template <>
-struct raw_chunk<16> {
-  using type = uint4;
-};
-
-/// Loads `Bytes` (a multiple of 16) from 16-byte aligned global memory into 32-bit words.
-template <int Words>
-__device__ __forceinline__ void load_words(const std::uint8_t* p, std::uint32_t (&w)[Words]) {
-  static_assert(Words % 4 == 0, "load_words: whole 16-byte pieces");
-#pragma unroll
-  for (int i = 0; i < Words / 4; ++i) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
-    w[4 * i] = u.x;
-    w[4 * i + 1] = u.y;
-    w[4 * i + 2] = u.z;
-    w[4 * i + 3] = u.w;
-  }
-}
-
-/// L2 prefetch of an item's bytes for this KV head (a later iteration reads them).
-template <int D>
-__device__ __forceinline__ void prefetch_item(const decode_layout& L, const item_view& it, int lane_id) {
-  const std::uint8_t* p = nullptr;
-  if (it.kind == 1) {
-    const int rows = min(8, it.capacity - it.first_slot);  // stays inside the block
-    const int lines = rows * D * 2 / 128;                     // lines of keys; as many of values
-    if (lane_id < 2 * lines) {
-      const int section = lane_id < lines ? 0 : it.capacity;
-      const int line = lane_id < lines ? lane_id : lane_id - lines;
-      p = it.base + static_cast<std::size_t>(section + it.first_slot) * D * 2 + line * 128;
-    }
-  } else if (it.kind == 2) {
-    if (lane_id * 128 < static_cast<int>(L.record_head_bytes)) p = it.base + lane_id * 128;
-  }
-  if (p) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-/// Scores S[head g][tokens 2t, 2t+1] of one item (c[0], c[1]): the thread supplies token g's key
-/// as B-fragments. Dequantized keys are split into high and low fp16 parts (two products), so the
-/// scores keep fp32-level accuracy; stored fp16/bf16 keys are exact in one part.
-template <int D, element_type E>
-__device__ __forceinline__ void score_item(const decode_layout& L, const item_view& it, int g, int s0, int s1,
-                                           const float2* cs_j, const float2* cs_t0, const std::uint32_t (&q_hi)[D / 8],
-                                           const std::uint32_t (&q_lo)[D / 8], float (&c)[4]) {
-  constexpr int EB = 2;
-  c[0] = c[1] = c[2] = c[3] = 0.f;
-  if (it.kind == 1) {
-    std::uint32_t kb[D / 8];
-    if (g < it.valid) {
-      int slot = it.first_slot + g;
+    for (int k = 0; k < 16 * per_row / 32; ++k) {
+      const int q = lane_id + 32 * k;
+      const int row = q / per_row, col = q % per_row;
+      const int kv = row >> 3, r = row & 7;
+      const bool ok = it.kind == 1 && r < it.valid;
+      int slot = it.first_slot + r;
       if (slot >= it.capacity) slot -= it.capacity;
-      const std::uint8_t* row = it.base + static_cast<std::size_t>(slot) * D * EB;
-      std::uint32_t w0[D / 16], w1[D / 16];
-      load_words<D / 16>(row + s0 * EB, w0);
-      load_words<D / 16>(row + s1 * EB, w1);
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        kb[i] = E == element_type::bf16 ? warp::bf16x2_to_half2(w0[i]) : w0[i];
-        kb[D / 16 + i] = E == element_type::bf16 ? warp::bf16x2_to_half2(w1[i]) : w1[i];
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) kb[i] = 0u;
+      const std::uint8_t* src =
+          ok ? it.base + (static_cast<std::size_t>(kv * it.capacity + slot) * D * 2 + col * 16) : fallback;
+      warp::cp_async16(dst + row * row_stride<D> + col * 16, src, ok ? 16 : 0);
     }
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], q_lo[2 * s], q_hi[2 * s + 1], q_lo[2 * s + 1], kb[2 * s], kb[2 * s + 1]);
-  } else if (it.kind == 2) {
-    // Codes of token g: code e = g*D + c sits at bit 2*(e % 16) of 32-bit word e / 16.
-    const std::uint8_t* codes = it.base;
-    std::uint32_t c0, c1;
-    if constexpr (D / 8 == 16) {
-      c0 = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (g * D + s0) / 4));
-      c1 = __ldg(reinterpret_cast<const std::uint32_t*>(codes + (g * D + s1) / 4));
-    } else {
-      c0 = __ldg(reinterpret_cast<const std::uint16_t*>(codes + (g * D + s0) / 4));
-      c1 = __ldg(reinterpret_cast<const std::uint16_t*>(codes + (g * D + s1) / 4));
-    }
-    std::uint32_t sc[2][D / 16], ze[2][D / 16];
-    load_words<D / 16>(it.base + L.key_scale_offset + s0 * 2, sc[0]);
-    load_words<D / 16>(it.base + L.key_scale_offset + s1 * 2, sc[1]);
-    load_words<D / 16>(it.base + L.key_zero_offset + s0 * 2, ze[0]);
-    load_words<D / 16>(it.base + L.key_zero_offset + s1 * 2, ze[1]);
-    float x[D / 4];
-#pragma unroll
-    for (int span = 0; span < 2; ++span) {
-      const std::uint32_t cw = span == 0 ? c0 : c1;
-#pragma unroll
-      for (int k = 0; k < D / 8; ++k) {
-        const std::uint32_t sw = sc[span][k / 2], zw = ze[span][k / 2];
-        const float s = __uint_as_float(k % 2 == 0 ? sw << 16 : sw & 0xffff0000u);
-        const float z = __uint_as_float(k % 2 == 0 ? zw << 16 : zw & 0xffff0000u);
-        // 2^23 + code, exactly, minus 2^23: a full-rate conversion (I2F runs at quarter rate).
-        const float code = __uint_as_float(0x4B000000u | ((cw >> (2 * k)) & 3u)) - 8388608.0f;
-        x[span * (D / 8) + k] = fmaf(s, code, z);
-      }
-    }
-    // Token g sits at t0 + g: rotation = e^{i t0 f} * e^{i g f}.
-    rotate_spans<D>(x, L.layout, s0, s1, [&](int p) {
-      const int slot = pair_slot<D>(p);
-      const float2 a = cs_t0[slot], b = cs_j[g * pair_row<D> + slot];
-      return make_float2(a.x * b.x - a.y * b.y, a.y * b.x + a.x * b.y);
-    });
-    std::uint32_t kb[D / 8];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) kb[i] = warp::pack_half2(x[2 * i], x[2 * i + 1]);
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], q_lo[2 * s], q_hi[2 * s + 1], q_lo[2 * s + 1], kb[2 * s], kb[2 * s + 1]);
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const float2 back = warp::unpack_half2(kb[i]);
-      kb[i] = warp::pack_half2(x[2 * i] - back.x, x[2 * i + 1] - back.y);
-    }
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) warp::mma_f16(c, q_hi[2 * s], 0u, q_hi[2 * s + 1], 0u, kb[2 * s], kb[2 * s + 1]);
   }
 }
 
-/// Raw value data of one token for the thread's channels [g*D/8, (g+1)*D/8): D/16 words of
-/// elements, or (quantized) one word of codes in word 0.
-template <int D, element_type E>
-__device__ __forceinline__ void load_item_value_row(const decode_layout& L, const item_view& it, int j, int g,
-                                                    std::uint32_t (&v)[D / 16]) {
-  constexpr int EB = 2;
-  if (it.kind == 1 && j < it.valid) {
-    int slot = it.first_slot + j;
-    if (slot >= it.capacity) slot -= it.capacity;
-    const std::uint8_t* row = it.base + static_cast<std::size_t>(it.capacity + slot) * D * EB;
-    load_words<D / 16>(row + g * (D / 8) * EB, v);
-    if constexpr (E == element_type::bf16) {
+/// Scores of one item for the thread: c[0], c[1] = head g's scores of tokens 2t, 2t+1 against the
+/// query's high part, c[2], c[3] against its low part (their sum is the score).
+/// The contraction index is the channel: chunk s holds channels 16s..16s+15 in mma order, so the
+/// thread owns channels 16s + {2t, 2t+1, 2t+8, 2t+9}; both members of every rotary pair (c and
+/// c + D/2, or 2m and 2m+1) then lie in one thread.
+template <int D, bool Bf16>
+__device__ __forceinline__ void score_item(const decode_layout& L, const item_view& it, const std::uint8_t* s_item,
+                                           int g, int t, int lane_id, const float2* cs_j, const float2* cs_t0,
+                                           const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+  if (it.kind != 2) {
+    // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels).
+    const std::uint8_t* rowp = s_item + (lane_id & 7) * row_stride<D> + (lane_id >> 3) * 16;
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) v[i] = warp::bf16x2_to_half2(v[i]);
+    for (int s = 0; s < D / 16; s += 2) {
+      std::uint32_t b0, b1, b2, b3;
+      warp::ldmatrix_x4(rowp + s * 32, b0, b1, b2, b3);
+      warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], b0, b1);
+      warp::mma_16<Bf16>(c, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
     }
-  } else if (it.kind == 2) {
-    const std::uint8_t* codes = it.base + L.value_codes_offset + (j * D + g * (D / 8)) / 4;
-    if constexpr (D / 8 == 16) v[0] = __ldg(reinterpret_cast<const std::uint32_t*>(codes));
-    else v[0] = __ldg(reinterpret_cast<const std::uint16_t*>(codes));
+    return;
+  }
+  // INT2 record: codes of token g (word s holds channels 16s..16s+15, 2 bits each), per-channel
+  // scale and zero; dequantize in fp32, rotate to position t0 + g, split into high and low parts.
+  std::uint32_t cw[D / 16];
+  {
+    const uint4* p = reinterpret_cast<const uint4*>(s_item + g * (D / 4));
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      const uint4 u = p[i];
+      cw[4 * i] = u.x; cw[4 * i + 1] = u.y; cw[4 * i + 2] = u.z; cw[4 * i + 3] = u.w;
+    }
+  }
+  const std::uint8_t* ks = s_item + L.key_scale_offset;
+  const std::uint8_t* kz = s_item + L.key_zero_offset;
+  float x[D / 16][4];
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const std::uint32_t w = cw[s] >> (4 * t);
+    const std::uint32_t sc0 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 4 * t);
+    const std::uint32_t sc1 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 16 + 4 * t);
+    const std::uint32_t ze0 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 4 * t);
+    const std::uint32_t ze1 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 16 + 4 * t);
+    // 2^23 + code, exactly, minus 2^23: a full-rate conversion.
+    const float k0 = __uint_as_float(0x4B000000u | (w & 3u)) - 8388608.0f;
+    const float k1 = __uint_as_float(0x4B000000u | ((w >> 2) & 3u)) - 8388608.0f;
+    const float k8 = __uint_as_float(0x4B000000u | ((w >> 16) & 3u)) - 8388608.0f;
+    const float k9 = __uint_as_float(0x4B000000u | ((w >> 18) & 3u)) - 8388608.0f;
+    x[s][0] = fmaf(__uint_as_float(sc0 << 16), k0, __uint_as_float(ze0 << 16));
+    x[s][1] = fmaf(__uint_as_float(sc0 & 0xffff0000u), k1, __uint_as_float(ze0 & 0xffff0000u));
+    x[s][2] = fmaf(__uint_as_float(sc1 << 16), k8, __uint_as_float(ze1 << 16));
+    x[s][3] = fmaf(__uint_as_float(sc1 & 0xffff0000u), k9, __uint_as_float(ze1 & 0xffff0000u));
+  }
+  // e^{i (t0 + g) f_p} = e^{i t0 f_p} e^{i g f_p}.
+  const float2* row = cs_j + g * pair_row<D>;
+  auto rot = [&](float& a, float& b, int p) {
+    const float2 u = cs_t0[p], v = row[p];
+    const float cr = u.x * v.x - u.y * v.y, ci = u.y * v.x + u.x * v.y;
+    const float a0 = a, b0 = b;
+    a = a0 * cr - b0 * ci;
+    b = a0 * ci + b0 * cr;
+  };
+  if (L.layout == rope_layout::interleaved) {
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      rot(x[s][0], x[s][1], 8 * s + t);
+      rot(x[s][2], x[s][3], 8 * s + t + 4);
+    }
   } else {
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) v[i] = 0u;
+    for (int s = 0; s < D / 32; ++s) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) rot(x[s][e], x[s + D / 32][e], 16 * s + 2 * t + (e & 1) + 8 * (e >> 1));
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    std::uint32_t h0, l0, h1, l1;
+    warp::split_16<Bf16>(x[s][0], x[s][1], h0, l0);
+    warp::split_16<Bf16>(x[s][2], x[s][3], h1, l1);
+    warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], h0, h1);
+    warp::mma_16<Bf16>(c, qa[s][0], 0u, qa[s][2], 0u, l0, l1);
   }
 }
 
-/// A-fragment registers (row g: channel 2i, row g+8: channel 2i+1 of the thread's value channels)
-/// for tokens (j0, j1) of one item.
-template <int D>
-__device__ __forceinline__ void value_fragments(int kind, const std::uint32_t (&r0)[D / 16], const std::uint32_t (&r1)[D / 16],
-                                                std::uint32_t (&lo)[D / 16], std::uint32_t (&hi)[D / 16]) {
-  if (kind == 2) {
-    const std::uint32_t first = __byte_perm(r0[0], r1[0], 0x5410), second = __byte_perm(r0[0], r1[0], 0x7632);
+/// A fragments of V^T for one item (tokens 0-7 of the 16-token k range, or 8-15): a[i][0] =
+/// (channel 16i + g, tokens 2t, 2t+1), a[i][1] = (channel 16i + g + 8, same tokens).
+template <int D, bool Bf16>
+__device__ __forceinline__ void value_fragments(const decode_layout& L, const item_view& it, const std::uint8_t* s_item,
+                                                int g, int t, int lane_id, std::uint32_t (&a)[D / 16][2]) {
+  if (it.kind != 2) {
+    const std::uint8_t* rowp = s_item + (8 + (lane_id & 7)) * row_stride<D> + (lane_id >> 3) * 16;
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      const std::uint32_t w = i < 4 ? first : second;
-      const int shift = 4 * (i % 4);
-      lo[i] = warp::codes_to_half2(w >> shift);
-      hi[i] = warp::codes_to_half2(w >> (shift + 2));
-    }
-  } else {
+    for (int u = 0; u < D / 32; ++u) warp::ldmatrix_x4_trans(rowp + u * 64, a[2 * u][0], a[2 * u][1], a[2 * u + 1][0], a[2 * u + 1][1]);
+    return;
+  }
+  // Codes of tokens 2t and 2t+1: word i of a token holds channels 16i..16i+15.
+  const uint4* p0 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t) * (D / 4));
+  const uint4* p1 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4));
+  std::uint32_t w0[D / 16], w1[D / 16];
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      lo[i] = __byte_perm(r0[i], r1[i], 0x5410);
-      hi[i] = __byte_perm(r0[i], r1[i], 0x7632);
-    }
+  for (int i = 0; i < D / 64; ++i) {
+    const uint4 u0 = p0[i], u1 = p1[i];
+    w0[4 * i] = u0.x; w0[4 * i + 1] = u0.y; w0[4 * i + 2] = u0.z; w0[4 * i + 3] = u0.w;
+    w1[4 * i] = u1.x; w1[4 * i + 1] = u1.y; w1[4 * i + 2] = u1.z; w1[4 * i + 3] = u1.w;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    // After the shift, channel g sits at bits 0-1 and channel g+8 at bits 16-17 of each token's word.
+    const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
+    a[i][0] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x5410));
+    a[i][1] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x7632));
   }
 }
 
 /// Value scale and zero of tokens (2t, 2t+1) of a quantized item.
-__device__ __forceinline__ void value_meta(const decode_layout& L, const item_view& it, int t, float2& scale, float2& zero) {
+__device__ __forceinline__ void value_meta(const decode_layout& L, const item_view& it, const std::uint8_t* s_item, int t,
+                                           float2& scale, float2& zero) {
   if (it.kind == 2) {
-    const std::uint32_t s = __ldg(reinterpret_cast<const std::uint32_t*>(it.base + L.value_scale_offset) + t);
-    const std::uint32_t z = __ldg(reinterpret_cast<const std::uint32_t*>(it.base + L.value_zero_offset) + t);
+    const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_scale_offset + 4 * t);
+    const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_zero_offset + 4 * t);
     scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
     zero = make_float2(__uint_as_float(z << 16), __uint_as_float(z & 0xffff0000u));
   } else {
@@ -437,7 +388,6 @@ __device__ __forceinline__ void value_meta(const decode_layout& L, const item_vi
   }
 }
 
-/// Rotated, scaled queries and the e^{i j f} table, once per launch (not once per CTA).
 template <int D>
 __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
   const int b = blockIdx.x;
@@ -470,6 +420,7 @@ template <int D, element_type E, bool EmitMass>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
+  constexpr bool Bf16 = E == element_type::bf16;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
@@ -482,45 +433,33 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int g = lane_id >> 2, t = lane_id & 3;
   const int G = L.group;
 
-  __shared__ float2 cs_j[8 * pair_row<D>];                  // e^{i j f_p}, j < 8 (padded, see pair_slot)
-  __shared__ float2 cs_t0[warps_per_cta][2][pair_row<D>];    // e^{i t0 f_p} of the warp's two items
+  extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
+  __shared__ float2 cs_j[8 * pair_row<D>];                  // e^{i j f_p}, j < 8
+  __shared__ float2 cs_t0[warps_per_cta][2][D / 2];          // e^{i t0 f_p} of the warp's two items
   __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
-  __shared__ float o_s[warps_per_cta][8][D + 1];
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ window_entry entries_s[max_items_per_chunk];   // this chunk's part of the window list
 
-  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[(e / (D / 2)) * pair_row<D> + pair_slot<D>(e % (D / 2))] = A.cs_table[e];
+  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[(e / (D / 2)) * pair_row<D> + e % (D / 2)] = A.cs_table[e];
   const int has_sink = L.sinks > 0 ? 1 : 0;
   const int first_entry = first_item - has_sink;  // entry index of local item 0
   for (int li = threadIdx.x; li < chunk_items; li += blockDim.x) {
     const int i = first_entry + li;
     if (i >= 0 && i < lane.n_entries) entries_s[li] = A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i];
   }
-
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + static_cast<std::size_t>(lane_index) * L.region_bytes;
-  int s0, s1;
-  key_spans<D>(L.layout, t, s0, s1);
 
-  // Query of head g: rows 0-7 of the A operand hold its high fp16 part, rows 8-15 the low part.
-  std::uint32_t q_hi[D / 8], q_lo[D / 8];
+  // Query of head g as A fragments: rows 0-7 its high part, rows 8-15 its low part.
+  std::uint32_t qa[D / 16][4];
   {
-    float x[D / 4];
-    if (g < G) {
-      const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + g) * D;
+    const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
 #pragma unroll
-      for (int k = 0; k < D / 8; ++k) {
-        x[k] = q[s0 + k];
-        x[D / 8 + k] = q[s1 + k];
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < D / 4; ++k) x[k] = 0.0f;
-    }
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      q_hi[i] = warp::pack_half2(x[2 * i], x[2 * i + 1]);
-      const float2 back = warp::unpack_half2(q_hi[i]);
-      q_lo[i] = warp::pack_half2(x[2 * i] - back.x, x[2 * i + 1] - back.y);
+    for (int s = 0; s < D / 16; ++s) {
+      float2 x0 = *reinterpret_cast<const float2*>(q + 16 * s + 2 * t);
+      float2 x1 = *reinterpret_cast<const float2*>(q + 16 * s + 2 * t + 8);
+      if (g >= G) x0 = x1 = make_float2(0.f, 0.f);
+      warp::split_16<Bf16>(x0.x, x0.y, qa[s][0], qa[s][1]);
+      warp::split_16<Bf16>(x1.x, x1.y, qa[s][2], qa[s][3]);
     }
   }
   __syncthreads();
@@ -532,53 +471,56 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   const int n_pairs = (chunk_items + 1) / 2;
   const int last = first_item + chunk_items;
-  // Two pairs ahead into L2: the loads of a pair then wait on L2, not on HBM.
-  for (int ahead = warp_id; ahead < min(n_pairs, warp_id + 2 * warps_per_cta); ahead += warps_per_cta) {
-    prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead, last, h), lane_id);
-    prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead + 1, last, h), lane_id);
-  }
-  for (int pair = warp_id; pair < n_pairs; pair += warps_per_cta) {
+  const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
+  std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
+  // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
+  // while pair k is computed.
+  auto issue = [&](int k) {
+    if (k < my_pairs) {
+      const int pair = warp_id + k * warps_per_cta;
+      std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
+      copy_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * pair, last, h), dst, region, lane_id);
+      copy_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * pair + 1, last, h),
+                   dst + item_bytes<D>, region, lane_id);
+    }
+    warp::cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < stages - 1; ++k) issue(k);
+
+  for (int k = 0; k < my_pairs; ++k) {
+    issue(k + stages - 1);
+    const int pair = warp_id + k * warps_per_cta;
     const int li_a = 2 * pair, li_b = 2 * pair + 1;
     const item_view ia = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_a, last, h);
     const item_view ib = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_b, last, h);
-    {
-      const int ahead = pair + 2 * warps_per_cta;
-      if (ahead < n_pairs) {
-        prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead, last, h), lane_id);
-        prefetch_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * ahead + 1, last, h), lane_id);
-      }
-    }
-    // Values first: their loads are independent of everything below.
-    std::uint32_t va0[D / 16], va1[D / 16], vb0[D / 16], vb1[D / 16];
-    load_item_value_row<D, E>(L, ia, 2 * t, g, va0);
-    load_item_value_row<D, E>(L, ia, 2 * t + 1, g, va1);
-    load_item_value_row<D, E>(L, ib, 2 * t, g, vb0);
-    load_item_value_row<D, E>(L, ib, 2 * t + 1, g, vb1);
-    float2 vs_a, vz_a, vs_b, vz_b;
-    value_meta(L, ia, t, vs_a, vz_a);
-    value_meta(L, ib, t, vs_b, vz_b);
     if (ia.kind == 2 || ib.kind == 2) {
       for (int p = lane_id; p < D / 2; p += 32) {
         float c, s;
-        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][pair_slot<D>(p)] = make_float2(c, s); }
-        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][pair_slot<D>(p)] = make_float2(c, s); }
+        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][p] = make_float2(c, s); }
+        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][p] = make_float2(c, s); }
       }
-      __syncwarp();
     }
+    warp::cp_async_wait<stages - 1>();
+    __syncwarp();
+    const std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
+    const std::uint8_t* s_b = s_a + item_bytes<D>;
 
     float sa[2], sb[2];
     {
       float c[4];
-      score_item<D, E>(L, ia, g, s0, s1, cs_j, cs_t0[warp_id][0], q_hi, q_lo, c);
+      score_item<D, Bf16>(L, ia, s_a, g, t, lane_id, cs_j, cs_t0[warp_id][0], qa, c);
       sa[0] = 2 * t < ia.valid ? c[0] + c[2] : -INFINITY;
       sa[1] = 2 * t + 1 < ia.valid ? c[1] + c[3] : -INFINITY;
-      score_item<D, E>(L, ib, g, s0, s1, cs_j, cs_t0[warp_id][1], q_hi, q_lo, c);
+      score_item<D, Bf16>(L, ib, s_b, g, t, lane_id, cs_j, cs_t0[warp_id][1], qa, c);
       sb[0] = 2 * t < ib.valid ? c[0] + c[2] : -INFINITY;
       sb[1] = 2 * t + 1 < ib.valid ? c[1] + c[3] : -INFINITY;
     }
-    __syncwarp();  // cs_t0 is rewritten by the next pair
+    float2 vs_a, vz_a, vs_b, vz_b;
+    value_meta(L, ia, s_a, t, vs_a, vz_a);
+    value_meta(L, ib, s_b, t, vs_b, vz_b);
 
-  // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
+    // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
     float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -603,34 +545,46 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
     // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1.
     const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-    const std::uint32_t pb_lo = warp::pack_half2(pa0 * vs_a.x, pa1 * vs_a.y);
-    const std::uint32_t pb_hi = warp::pack_half2(pb0 * vs_b.x, pb1 * vs_b.y);
-    std::uint32_t a_lo[D / 16], a_hi[D / 16], b_lo[D / 16], b_hi[D / 16];
-    value_fragments<D>(ia.kind, va0, va1, a_lo, a_hi);
-    value_fragments<D>(ib.kind, vb0, vb1, b_lo, b_hi);
+    // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
+    // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
+    std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
+    warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
+    warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
+    std::uint32_t va[D / 16][2], vb[D / 16][2];
+    value_fragments<D, Bf16>(L, ia, s_a, g, t, lane_id, va);
+    value_fragments<D, Bf16>(L, ib, s_b, g, t, lane_id, vb);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       o[i][0] *= al0;
       o[i][1] *= al1;
       o[i][2] *= al0;
       o[i][3] *= al1;
-      warp::mma_f16(o[i], a_lo[i], a_hi[i], b_lo[i], b_hi[i], pb_lo, pb_hi);
+      warp::mma_16<Bf16>(o[i], va[i][0], va[i][1], vb[i][0], vb[i][1], p_hi_a, p_hi_b);
+      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], va[i][0], va[i][1], vb[i][0], vb[i][1], p_lo_a, p_lo_b);
     }
+    __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
   }
+  warp::cp_async_wait<0>();
+  __syncwarp();
 
-  // Warp partials -> shared memory.
+  // Warp partials -> shared memory (the warp's own stages, now idle).
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
   z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
   if (t == 0) mlz_s[warp_id][g] = make_float3(m_run, l_run, z_run);
+  using o_row = float[D + 1];
+  auto o_of = [&](int w) { return reinterpret_cast<o_row*>(stage_s + w * stages * 2 * item_bytes<D>); };
+  static_assert(8 * (D + 1) * 4 <= stages * 2 * item_bytes<D>, "the warp's stages hold its output partial");
+  {
+    o_row* os = o_of(warp_id);
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) {
-    const int c = g * (D / 8) + 2 * i;
-    o_s[warp_id][2 * t][c] = o[i][0];
-    o_s[warp_id][2 * t + 1][c] = o[i][1];
-    o_s[warp_id][2 * t][c + 1] = o[i][2];
-    o_s[warp_id][2 * t + 1][c + 1] = o[i][3];
+    for (int i = 0; i < D / 16; ++i) {
+      os[2 * t][16 * i + g] = o[i][0];
+      os[2 * t + 1][16 * i + g] = o[i][1];
+      os[2 * t][16 * i + g + 8] = o[i][2];
+      os[2 * t + 1][16 * i + g + 8] = o[i][3];
+    }
   }
   __syncthreads();
 
@@ -647,7 +601,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     for (int w = 0; w < warps_per_cta; ++w) {
       const float3 mlz = mlz_s[w][hg];
       const float f = mlz.x == -INFINITY ? 0.f : exp2f(mlz.x - M);
-      acc += f * (o_s[w][hg][c] + mlz.z);
+      acc += f * (o_of(w)[hg][c] + mlz.z);
       l += f * mlz.y;
     }
     A.part_o[chunk_row * G * D + e] = acc;
@@ -750,7 +704,14 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
-  detail::decode_attention_kernel<D, E, EmitMass><<<grid, detail::warps_per_cta * 32, 0, stream>>>(L, args);
+  constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
+  static const bool smem_set = [] {
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    return true;
+  }();
+  (void)smem_set;
+  detail::decode_attention_kernel<D, E, EmitMass><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   const int blocks_x = std::max((max_items + 255) / 256, (hq * D + 255 * 4) / (256 * 4));

@@ -1,6 +1,6 @@
 #pragma once
-// Warp-level pieces: the m16n8k16 tensor-core product (fp16 in, fp32 accumulate), half2 packing
-// and the bf16 -> fp16 widening used to feed it.
+// Warp-level pieces: the m16n8k16 tensor-core product (fp16 or bf16 in, fp32 accumulate), 16-bit
+// packing, exact code conversion, asynchronous copies into shared memory and ldmatrix.
 //
 // Fragment layout of mma.m16n8k16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): reg0 = (row g,   col 2t..2t+1)   reg1 = (row g+8, col 2t..2t+1)
@@ -45,6 +45,85 @@ __device__ __forceinline__ std::uint32_t codes_to_half2(std::uint32_t x) {
   const std::uint32_t biased = (x & 0x00030003u) | 0x64006400u;
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6400)));
   return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+
+/// The same product with bf16 inputs.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/// Tensor-core product in the 16-bit type the cache stores (Bf16: bf16, else fp16).
+template <bool Bf16>
+__device__ __forceinline__ void mma_16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                       std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  if constexpr (Bf16) mma_bf16(c, a0, a1, a2, a3, b0, b1);
+  else mma_f16(c, a0, a1, a2, a3, b0, b1);
+}
+
+/// Two floats as one bf16x2 register (round to nearest even); x in the low half.
+__device__ __forceinline__ std::uint32_t pack_bf162(float x, float y) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const std::uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_bf162(std::uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <bool Bf16>
+__device__ __forceinline__ std::uint32_t pack_16(float x, float y) {
+  if constexpr (Bf16) return pack_bf162(x, y);
+  else return pack_half2(x, y);
+}
+template <bool Bf16>
+__device__ __forceinline__ float2 unpack_16(std::uint32_t w) {
+  if constexpr (Bf16) return unpack_bf162(w);
+  else return unpack_half2(w);
+}
+/// (x, y) as a high part and a low part (x - high, y - high): 2 x 8 bits (bf16) or 2 x 11 bits (fp16).
+template <bool Bf16>
+__device__ __forceinline__ void split_16(float x, float y, std::uint32_t& hi, std::uint32_t& lo) {
+  hi = pack_16<Bf16>(x, y);
+  const float2 back = unpack_16<Bf16>(hi);
+  lo = pack_16<Bf16>(x - back.x, y - back.y);
+}
+
+/// Two 2-bit codes (bits 0-1 and 16-17 of x, the rest ignored) as exact integers in the 16-bit type.
+template <bool Bf16>
+__device__ __forceinline__ std::uint32_t codes_to_16(std::uint32_t x) {
+  if constexpr (Bf16) {
+    // 0x4300 is 128.0 in bf16 (ulp 1): 128 + code, minus 128, exactly.
+    const std::uint32_t biased = (x & 0x00030003u) | 0x43004300u;
+    const __nv_bfloat162 h = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased),
+                                     __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)));
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    return codes_to_half2(x);
+  }
+}
+
+/// Shared-memory pieces: 16-byte asynchronous copies (zero-filled past src_bytes) and 8x8 matrix loads.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(const void* smem, std::uint32_t& r0, std::uint32_t& r1, std::uint32_t& r2,
+                                            std::uint32_t& r3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(const void* smem, std::uint32_t& r0, std::uint32_t& r1, std::uint32_t& r2,
+                                                  std::uint32_t& r3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(std::uint32_t lo16) { return __uint_as_float(lo16 << 16); }

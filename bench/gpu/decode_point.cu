@@ -1,0 +1,34 @@
+// One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
+//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK]   (BUDGET 0 = every window Full)
+// Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
+#include <cstdio>
+#include <cstdlib>
+
+#include "decode_setup.cuh"
+
+int main(int argc, char** argv) {
+  using namespace qevict;
+  if (argc < 4) {
+    std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK]\n");
+    return 2;
+  }
+  const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
+  const double f = std::atof(argv[3]);
+  const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
+  const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
+  const geometry g = bench::llama_layer();
+  bench::decode_state s = bench::make_state(g, batch, context, f, ipc);
+  const kernels::decode_arguments a = s.arguments();
+  auto step = [&] { kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr); };
+  if (reps == 0) {
+    step();
+    QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
+    return 0;
+  }
+  const float ms = bench::median_ms(step, 5, reps);
+  std::printf("{\"impl\": \"qevict\", \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
+              "\"bytes\": %zu, \"tbps\": %.3f}\n",
+              batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
+  s.release();
+  return 0;
+}
