@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "qevict/backend/host/host_cache.hpp"
@@ -55,6 +56,9 @@ class cache {
                 "qevict::cache: Config::rope does not model qevict::rope_policy (needs rotates, inverse_frequencies, rotate)");
 
   using engine_type = typename Backend::template engine<Config>;
+  /// Backends whose inputs are device pointers (backend::cuda) check finiteness on the device and
+  /// report it at their next synchronizing call; the host never reads those spans.
+  static constexpr bool inputs_on_device = requires { Backend::inputs_on_device; };
 
  public:
   using config_type = Config;
@@ -66,6 +70,18 @@ class cache {
   template <kv_storage Storage>
   cache(const geometry& g, const budget& b, const limits& lim, Storage storage, const options& opt = {})
       : engine_(g, b, lim, opt, arena_of(storage), bytes_of(storage)) {}
+
+  /// Backends with run-time settings of their own (backend::cuda: its stream), owned arena or one
+  /// contiguous range.
+  template <class B = Backend>
+    requires requires { typename B::settings; }
+  cache(const geometry& g, const budget& b, const limits& lim, const typename B::settings& set, const options& opt = {})
+      : engine_(g, b, lim, opt, nullptr, 0, set) {}
+  template <class Storage, class B = Backend>
+    requires requires(const Storage& s) { typename B::settings; s.data(); s.size_bytes(); }
+  cache(const geometry& g, const budget& b, const limits& lim, Storage storage, const typename B::settings& set,
+        const options& opt = {})
+      : engine_(g, b, lim, opt, arena_of(storage), storage.size_bytes(), set) {}
 
   /// Bytes of the arena for this geometry, budget and limits (for external storage).
   static std::size_t required_bytes(const geometry& g, const budget& b, const limits& lim) {
@@ -135,9 +151,11 @@ class cache {
     detail::require(n <= static_cast<std::size_t>(engine_.plan().max_tokens),
                     std::string(call) + ": prompt of " + std::to_string(n) + " tokens exceeds limits::max_tokens = " +
                         std::to_string(engine_.plan().max_tokens));
-    check_finite(call, "q", q);
-    check_finite(call, "k", k);
-    check_finite(call, "v", v);
+    if constexpr (!inputs_on_device) {
+      check_finite(call, "q", q);
+      check_finite(call, "k", k);
+      check_finite(call, "v", v);
+    }
     engine_.prefill(layer, s, q.data(), static_cast<int>(q.size() / qrow), k.data(), v.data(),
                     out.empty() ? nullptr : out.data(), static_cast<int>(n));
   }
@@ -172,10 +190,14 @@ class cache {
                       std::string(call) + ": the recent region of sequence " + std::to_string(s) + " in layer " +
                           std::to_string(layer) + " is full; with routing_mode::manual call route() first");
     }
-    check_finite(call, "k", k);
-    check_finite(call, "v", v);
-    for (std::size_t b = 0; b < seqs.size(); ++b)
-      engine_.append(layer, seqs[b], k.data() + b * kv_row(), v.data() + b * kv_row());
+    if constexpr (inputs_on_device) {
+      engine_.append_batch(layer, seqs, k.data(), v.data());
+    } else {
+      check_finite(call, "k", k);
+      check_finite(call, "v", v);
+      for (std::size_t b = 0; b < seqs.size(); ++b)
+        engine_.append(layer, seqs[b], k.data() + b * kv_row(), v.data() + b * kv_row());
+    }
   }
 
   /// Attention of each listed sequence's newest query over everything its cache still holds
@@ -193,9 +215,15 @@ class cache {
       detail::require(engine_.tokens(s, layer) > 0, std::string(call) + ": sequence " + std::to_string(s) +
                                                         " has no tokens in layer " + std::to_string(layer) +
                                                         "; append() its token first");
-    check_finite(call, "q", q);
-    for (std::size_t b = 0; b < seqs.size(); ++b)
-      engine_.attend(layer, seqs[b], static_cast<int>(b), q.data() + b * q_row(), out.data() + b * q_row(), observe);
+    if constexpr (inputs_on_device) {
+      static_assert(std::is_same_v<std::remove_cvref_t<Observer>, no_observer>,
+                    "qevict::cache::attend: per-token observers need the host backend");
+      engine_.attend_batch(layer, seqs, q.data(), out.data());
+    } else {
+      check_finite(call, "q", q);
+      for (std::size_t b = 0; b < seqs.size(); ++b)
+        engine_.attend(layer, seqs[b], static_cast<int>(b), q.data() + b * q_row(), out.data() + b * q_row(), observe);
+    }
   }
 
   /// A routing event now for every layer of `s` (on demand; Algorithm 1).
@@ -210,6 +238,11 @@ class cache {
   }
 
   // ---- reports and introspection -----------------------------------------------------------
+  /// Waits for the backend's queued work and throws qevict::error for a bad input it found there
+  /// (device backends; a no-op on the host, which checks every input before it acts).
+  void check() const {
+    if constexpr (requires { engine_.check(); }) engine_.check();
+  }
   budget_report report() const { return engine_.report(); }
   std::vector<window_info> windows(sequence_id s, int layer) const {
     check_sequence("windows", s);

@@ -1,0 +1,596 @@
+#pragma once
+// The CUDA backend: the same algorithm and the same region layout as the host backend, with the
+// arena, the window tables, the window lists, the free-slot stacks and the lane counters on the
+// device. Every call is ordered on one cudaStream_t (backend::cuda::settings); append, attend and
+// route neither allocate nor synchronize, so a decode step can be captured in a CUDA graph.
+//
+// Inputs (q, k, v, out) are device pointers, row-major float as documented in cache.hpp. The host
+// keeps mirrors of each lane's token count, aged windows and steps since routing (all follow from
+// the calls alone), so shapes, capacities and the routing schedule are decided without a sync.
+// Finiteness is checked on the device (kernels/cache_state.cuh): a bad input freezes the cache and
+// the next synchronizing call — check(), report(), windows(), counts(), read_window(),
+// ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
+//
+// Supported policies: window<8, S <= 8, L>, quantizers::asymmetric<2, meta::bf16>, any three_tier
+// allocator (two_tier included), routing::ranked, selection::per_layer, full_tier::full_precision,
+// scorers whose token signal is the attention probability (or none); bf16 or f16 elements,
+// head_dim 64 or 128, GQA groups up to 8. Anything else fails at compile time (policies) or at
+// construction (geometry).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "qevict/backend/host/host_cache.hpp"
+#include "qevict/core/layout.hpp"
+#include "qevict/core/report.hpp"
+#include "qevict/kernels/cache_state.cuh"
+#include "qevict/kernels/check.cuh"
+#include "qevict/kernels/decode_attention.cuh"
+#include "qevict/kernels/prefill.cuh"
+#include "qevict/kernels/routing.cuh"
+
+namespace qevict {
+namespace backend {
+
+template <class Config>
+class cuda_cache;
+
+/// Run-time settings of the CUDA backend.
+struct cuda_settings {
+  cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
+  int items_per_chunk = 64;       ///< split-K chunk of the decode kernel (multiple of 8, <= 64)
+};
+
+/// Backend tag: device-resident cache, stream-ordered kernels.
+struct cuda {
+  static constexpr const char* name = "cuda";
+  /// q, k, v and out are device pointers; cache<> leaves their finiteness check to the backend.
+  static constexpr bool inputs_on_device = true;
+  using settings = cuda_settings;
+  template <class Config>
+  using engine = cuda_cache<Config>;
+};
+
+namespace cuda_detail {
+template <class Q>
+struct is_int2_bf16 : std::false_type {};
+template <>
+struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16>> : std::true_type {};
+template <class A>
+struct is_three_tier : std::false_type {};
+template <int P>
+struct is_three_tier<allocators::three_tier<P>> : std::true_type {};
+}  // namespace cuda_detail
+
+template <class Config>
+class cuda_cache {
+  using quantizer = typename Config::quantizer;
+  using scorer = typename Config::scorer;
+  using rope = typename Config::rope;
+  using W = typename Config::window_policy;
+  static_assert(W::size == 8, "qevict::backend::cuda: unsupported window policy: the CUDA kernels need W = 8 tokens per window");
+  static_assert(W::sinks <= 8, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
+  static_assert(cuda_detail::is_int2_bf16<quantizer>::value,
+                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16> (the paper's INT2)");
+  static_assert(cuda_detail::is_three_tier<typename Config::allocator>::value,
+                "qevict::backend::cuda: unsupported allocator: only allocators::three_tier<Q> (two_tier included)");
+  static_assert(Config::routing_policy::rerank_after_first_event,
+                "qevict::backend::cuda: unsupported routing policy: only routing::ranked (frozen selection is host-only)");
+  static_assert(!Config::selection_policy::splits_heads,
+                "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
+  static_assert(!Config::full_tier_policy::quantized,
+                "qevict::backend::cuda: unsupported full-tier policy: only full_tier::full_precision (a quantized top tier is host-only)");
+  static_assert(scorer::token_signal != scorers::signal::value_weighted_attention,
+                "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
+  static constexpr bool rotates = rope::rotates;
+
+ public:
+  cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
+             std::size_t external_bytes, const cuda_settings& set = {})
+      : geo_(g), lim_(lim), opt_(opt), set_(set), plan_(make_region_plan<Config>(g, b, lim, 0)) {
+    for (int l = 0; l < g.layers; ++l) {
+      plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
+      detail::require(plans_.back().region_bytes == plan_.region_bytes,
+                      "backend::cuda: every layer needs the same region size (budget::with_layer_shares is host-only)");
+    }
+    detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
+    detail::require(g.element == element_type::bf16 || g.element == element_type::f16,
+                    "backend::cuda: the element type must be bf16 or f16");
+    detail::require(g.head_dim == 64 || g.head_dim == 128, "backend::cuda: head_dim must be 64 or 128");
+    detail::require(g.q_heads / g.kv_heads <= 8, "backend::cuda: the GQA group (q_heads / kv_heads) must be at most 8");
+    detail::require(lim.max_batch <= kernels::lane_list::capacity,
+                    "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
+    detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
+                    "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64]");
+    lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
+    P_.L = kernels::decode_layout::from_plan(plan_, g.rope.layout);
+    detail::require((P_.L.region_bytes | P_.L.sink_offset | P_.L.recent_offset | P_.L.full_offset | P_.L.ledger_offset) % 16 == 0,
+                    "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
+                    "(max_tokens - sinks + window - 1) / window is a multiple of 4");
+    P_.element = g.element;
+    P_.q_heads = g.q_heads;
+    P_.recent = plan_.recent;
+    P_.routing_interval = plan_.routing_interval;
+    P_.max_windows = plan_.max_windows;
+    P_.sort_capacity = 1;
+    while (P_.sort_capacity < std::max(1, plan_.max_windows)) P_.sort_capacity <<= 1;
+    P_.full_capacity = static_cast<int>(plan_.caps.full);
+    P_.ledger_capacity = static_cast<int>(plan_.caps.quantized);
+    P_.max_tasks = std::max(1, plan_.max_windows);
+    const std::size_t sort_smem = static_cast<std::size_t>(P_.sort_capacity) * 8;
+    detail::require(sort_smem <= 160 * 1024, "backend::cuda: limits::max_tokens is too large for routing's shared-memory sort "
+                                             "(at most 16384 windows)");
+    if (sort_smem > 48 * 1024)
+      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
+
+    const std::size_t need = required_bytes();
+    if (external != nullptr) {
+      detail::require(external_bytes >= need, "external storage of " + std::to_string(external_bytes) +
+                                                  " bytes is smaller than the " + std::to_string(need) + " bytes required");
+      detail::require(reinterpret_cast<std::uintptr_t>(external) % 16 == 0, "external storage must be 16-byte aligned");
+      cudaPointerAttributes attr{};
+      detail::require(cudaPointerGetAttributes(&attr, external) == cudaSuccess &&
+                          (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged),
+                      "backend::cuda: external storage must be device memory");
+      S_.arena = external;
+    } else {
+      S_.arena = alloc<std::byte>(need);
+      owned_arena_ = true;
+    }
+    S_.lanes = alloc<kernels::lane_state>(lanes_total_);
+    S_.attend_lanes = alloc<kernels::lane_state>(lanes_total_);
+    S_.entries = alloc<kernels::window_entry>(lanes_total_ * std::max(1, P_.L.entries_per_lane));
+    S_.extra = alloc<kernels::lane_extra>(lanes_total_);
+    S_.free_full = alloc<std::int32_t>(lanes_total_ * std::max(1, P_.full_capacity));
+    S_.free_ledger = alloc<std::int32_t>(lanes_total_ * std::max(1, P_.ledger_capacity));
+    S_.batch_lanes = alloc<int>(static_cast<std::size_t>(lim.max_batch));
+    S_.error = alloc<kernels::device_error>(1);
+    const std::vector<double> inv = rope::inverse_frequencies(g.rope, g.head_dim);
+    double* inv_d = alloc<double>(inv.size());
+    QEVICT_CUDA_CHECK(cudaMemcpyAsync(inv_d, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice, set_.stream));
+    S_.inv_freq = inv_d;
+    S_.quantize_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * P_.max_tasks);
+    S_.store_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * P_.max_tasks);
+    S_.task_counts = alloc<int>(2 * static_cast<std::size_t>(lim.max_batch));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.error, 0, sizeof(kernels::device_error), set_.stream));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.attend_lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.extra, 0, lanes_total_ * sizeof(kernels::lane_extra), set_.stream));
+    // Decode workspace for a whole batch.
+    const auto ws = kernels::decode_workspace::sizes(P_.L, lim.max_batch, set_.items_per_chunk);
+    part_o_ = alloc<float>(ws.o / sizeof(float));
+    part_ml_ = alloc<float2>(ws.ml / sizeof(float2));
+    part_mass_ = alloc<float>(ws.mass / sizeof(float));
+    q_rotated_ = alloc<float>(ws.q / sizeof(float));
+    cs_table_ = alloc<float2>(ws.table / sizeof(float2));
+    mirrors_.resize(lanes_total_);
+    sequences_.resize(static_cast<std::size_t>(lim.max_batch));
+    QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
+  }
+
+  cuda_cache(const cuda_cache&) = delete;
+  cuda_cache& operator=(const cuda_cache&) = delete;
+  ~cuda_cache() {
+    cudaStreamSynchronize(set_.stream);
+    for (void* p : allocations_) cudaFree(p);
+  }
+
+  // ---- sizes -------------------------------------------------------------------------------
+  const region_plan& plan() const { return plan_; }
+  const region_plan& plan(int layer) const { return plans_[static_cast<std::size_t>(layer)]; }
+  const geometry& geo() const { return geo_; }
+  const limits& lim() const { return lim_; }
+  const options& opts() const { return opt_; }
+  const cuda_settings& settings() const { return set_; }
+  std::size_t required_bytes() const { return plan_.region_bytes * lanes_total_; }
+  /// Device pointer of the arena (regions lane-major: lane = sequence * layers + layer).
+  const std::byte* arena() const { return S_.arena; }
+
+  // ---- sequences ---------------------------------------------------------------------------
+  sequence_id add_sequence(long long first_position) {
+    for (std::size_t s = 0; s < sequences_.size(); ++s) {
+      if (sequences_[s].active) continue;
+      sequences_[s] = sequence{true, first_position};
+      kernels::lane_list list;
+      list.n = geo_.layers;
+      for (int l = 0; l < geo_.layers; ++l) {
+        list.lane[l] = lane_index(static_cast<sequence_id>(s), l);
+        mirrors_[static_cast<std::size_t>(list.lane[l])] = mirror{};
+      }
+      kernels::detail::reset_lanes_kernel<<<static_cast<unsigned>(geo_.layers), 256, 0, set_.stream>>>(P_, S_, list, first_position);
+      QEVICT_CUDA_CHECK_LAUNCH("reset_lanes_kernel");
+      return static_cast<sequence_id>(s);
+    }
+    throw error("add_sequence: all " + std::to_string(lim_.max_batch) + " sequence slots (limits::max_batch) are in use");
+  }
+  void remove_sequence(sequence_id s) { sequences_[static_cast<std::size_t>(s)].active = false; }
+  bool is_active(sequence_id s) const {
+    return s >= 0 && static_cast<std::size_t>(s) < sequences_.size() && sequences_[static_cast<std::size_t>(s)].active;
+  }
+  int tokens(sequence_id s, int layer) const { return mirror_of(s, layer).tokens; }
+  long long first_position(sequence_id s) const { return sequences_[static_cast<std::size_t>(s)].first_position; }
+  bool recent_full(sequence_id s, int layer) const { return recent_full(mirror_of(s, layer)); }
+
+  // ---- prefill -----------------------------------------------------------------------------
+  /// Device pointers; shapes were validated by cache<>. May allocate (stream-ordered) scratch.
+  void prefill(int layer, sequence_id s, const float* q, int q_rows, const float* k, const float* v, float* out, int n) {
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, hq = geo_.q_heads;
+    const std::size_t krow = static_cast<std::size_t>(hkv) * d, qrow = static_cast<std::size_t>(hq) * d;
+    cudaStream_t st = set_.stream;
+    const int lane = lane_index(s, layer);
+    const long long p0 = first_position(s);
+    const int q0 = n - q_rows;
+    launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, 3, 0);
+    launch_scan(k, static_cast<std::size_t>(n) * krow, 3, 1);
+    launch_scan(v, static_cast<std::size_t>(n) * krow, 3, 2);
+    const int first_observer = std::max(q0, n - opt_.observation_window);
+    const int observers = n - first_observer;
+    const int started = windows_started(n);
+    float *kr = nullptr, *qr = nullptr;
+    double* qmass = nullptr;
+    QEVICT_CUDA_CHECK(cudaMallocAsync(&kr, static_cast<std::size_t>(n) * krow * sizeof(float), st));
+    QEVICT_CUDA_CHECK(cudaMallocAsync(&qr, static_cast<std::size_t>(q_rows) * qrow * sizeof(float), st));
+    const std::size_t qmass_n = std::max<std::size_t>(1, static_cast<std::size_t>(observers) * std::max(started, 1));
+    QEVICT_CUDA_CHECK(cudaMallocAsync(&qmass, qmass_n * sizeof(double), st));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(qmass, 0, qmass_n * sizeof(double), st));
+    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P_, S_, k, kr, n, hkv, p0);
+    QEVICT_CUDA_CHECK_LAUNCH("rotate_rows_kernel");
+    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P_, S_, q, qr, q_rows, hq, p0 + q0);
+    QEVICT_CUDA_CHECK_LAUNCH("rotate_rows_kernel");
+    const int first_row = out ? q0 : first_observer;
+    const dim3 grid(static_cast<unsigned>(n - first_row), static_cast<unsigned>(hq));
+    if (d == 128)
+      kernels::detail::prefill_attention_kernel<128><<<grid, 128, 0, st>>>(P_, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
+    else
+      kernels::detail::prefill_attention_kernel<64><<<grid, 128, 0, st>>>(P_, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
+    QEVICT_CUDA_CHECK_LAUNCH("prefill_attention_kernel");
+    const int aged_after = aged_windows_for(n);
+    kernels::detail::prefill_place_kernel<scorer><<<256, 256, 0, st>>>(P_, S_, lane, kr, v, qmass, n, observers, started, aged_after);
+    QEVICT_CUDA_CHECK_LAUNCH("prefill_place_kernel");
+    mirror& m = mirrors_[static_cast<std::size_t>(lane)];
+    m.tokens = n;
+    kernels::lane_list list;
+    list.n = 1;
+    list.lane[0] = lane;
+    launch_route(list, kernels::route_source{kr, v}, 2);
+    QEVICT_CUDA_CHECK(cudaFreeAsync(kr, st));
+    QEVICT_CUDA_CHECK(cudaFreeAsync(qr, st));
+    QEVICT_CUDA_CHECK(cudaFreeAsync(qmass, st));
+  }
+
+  // ---- decode ------------------------------------------------------------------------------
+  /// One token for each listed lane: k and v are device [batch][kv_heads][head_dim], pre-RoPE keys.
+  void append_batch(int layer, std::span<const sequence_id> seqs, const float* k, const float* v) {
+    kernels::lane_list due, list;
+    list.n = static_cast<int>(seqs.size());
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      list.lane[b] = lane_index(seqs[b], layer);
+      if (recent_full(mirror_of(seqs[b], layer))) due.lane[due.n++] = list.lane[b];
+    }
+    if (due.n > 0) launch_route(due, kernels::route_source{}, 0);
+    kernels::detail::append_kernel<scorer, rotates><<<1, 1024, 0, set_.stream>>>(P_, S_, list, k, v);
+    QEVICT_CUDA_CHECK_LAUNCH("append_kernel");
+    for (std::size_t b = 0; b < seqs.size(); ++b) ++mirrors_[static_cast<std::size_t>(list.lane[b])].tokens;
+  }
+  void append(int layer, sequence_id s, const float* k, const float* v) { append_batch(layer, std::span(&s, 1), k, v); }
+
+  /// Attention of each listed sequence's newest query (device [batch][q_heads][head_dim]) into out.
+  void attend_batch(int layer, std::span<const sequence_id> seqs, const float* q, float* out) {
+    kernels::lane_list list, due;
+    list.n = static_cast<int>(seqs.size());
+    int max_items = 1;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const int l = lane_index(seqs[b], layer);
+      list.lane[b] = l;
+      const mirror& m = mirrors_[static_cast<std::size_t>(l)];
+      const int started = windows_started(m.tokens);
+      max_items = std::max(max_items, (plan_.sinks > 0 ? 1 : 0) + std::min(P_.L.entries_per_lane, m.aged) + (started - m.aged));
+    }
+    kernels::detail::attend_prologue_kernel<<<1, 1024, 0, set_.stream>>>(P_, S_, list, q);
+    QEVICT_CUDA_CHECK_LAUNCH("attend_prologue_kernel");
+    kernels::decode_arguments a;
+    a.arena = S_.arena;
+    a.lanes = S_.attend_lanes;
+    a.entries = S_.entries;
+    a.batch_lanes = S_.batch_lanes;
+    a.batch = list.n;
+    a.q = q;
+    a.out = out;
+    a.inv_freq = S_.inv_freq;
+    a.part_o = part_o_;
+    a.part_ml = part_ml_;
+    a.part_mass = part_mass_;
+    a.q_rotated = q_rotated_;
+    a.cs_table = cs_table_;
+    a.items_per_chunk = set_.items_per_chunk;
+    a.max_chunks = kernels::decode_workspace::chunks_for(P_.L, set_.items_per_chunk);
+    kernels::decode_attention<true, scorer>(geo_.element, P_.L, a, max_items, set_.stream);
+    for (int b = 0; b < list.n; ++b) {
+      mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
+      ++m.steps;
+      if (opt_.routing == routing_mode::automatic && m.steps >= Config::routing_interval) due.lane[due.n++] = list.lane[b];
+    }
+    if (due.n > 0) launch_route(due, kernels::route_source{}, 0);
+  }
+
+  /// A routing event now for (seqs[i], layer), every listed sequence in one launch.
+  void route_batch(int layer, std::span<const sequence_id> seqs) {
+    kernels::lane_list list;
+    list.n = static_cast<int>(seqs.size());
+    for (std::size_t b = 0; b < seqs.size(); ++b) list.lane[b] = lane_index(seqs[b], layer);
+    launch_route(list, kernels::route_source{}, 0);
+  }
+
+  /// A routing event now for (s, layer).
+  void route(sequence_id s, int layer) {
+    kernels::lane_list list;
+    list.n = 1;
+    list.lane[0] = lane_index(s, layer);
+    launch_route(list, kernels::route_source{}, 0);
+  }
+
+  /// Waits for the stream and throws qevict::error if the device found a bad input.
+  void check() const {
+    QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
+    kernels::device_error e;
+    QEVICT_CUDA_CHECK(cudaMemcpy(&e, S_.error, sizeof e, cudaMemcpyDeviceToHost));
+    if (e.code == 0) return;
+    // The device skipped every change since the bad call: bring the mirrors back to its state.
+    std::vector<kernels::lane_state> lanes(lanes_total_);
+    std::vector<kernels::lane_extra> extra(lanes_total_);
+    QEVICT_CUDA_CHECK(cudaMemcpy(lanes.data(), S_.lanes, lanes.size() * sizeof(lanes[0]), cudaMemcpyDeviceToHost));
+    QEVICT_CUDA_CHECK(cudaMemcpy(extra.data(), S_.extra, extra.size() * sizeof(extra[0]), cudaMemcpyDeviceToHost));
+    for (std::size_t i = 0; i < lanes_total_; ++i) mirrors_[i] = mirror{lanes[i].tokens, lanes[i].aged, extra[i].steps};
+    QEVICT_CUDA_CHECK(cudaMemset(S_.error, 0, sizeof(kernels::device_error)));
+    const char* calls[] = {"?", "append", "attend", "prefill"};
+    const char* inputs[] = {"q", "k", "v"};
+    throw error(std::string(calls[e.call & 3]) + ": " + inputs[e.input % 3] + "[" + std::to_string(e.index) + "] is " +
+                (e.code == 1 ? "NaN" : "infinite") +
+                " (found on the device); that call and every later change were skipped, the cache is as it was before it");
+  }
+
+  // ---- introspection (synchronizing) ----------------------------------------------------------
+  std::vector<window_info> windows(sequence_id s, int layer) const {
+    check();
+    const std::vector<window_record> table = download_table(s, layer);
+    const mirror& m = mirror_of(s, layer);
+    std::vector<window_info> out;
+    for (int w = 0; w < windows_started(m.tokens); ++w) {
+      const window_record& rec = table[static_cast<std::size_t>(w)];
+      out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < m.aged), rec.score, rec.ledger_slot >= 0, 0});
+    }
+    return out;
+  }
+
+  tier_counts counts(sequence_id s, int layer) const {
+    check();
+    return counts_of(download_table(s, layer), mirror_of(s, layer));
+  }
+
+  budget_report report() const {
+    check();
+    budget_report r;
+    r.caps = plan_.caps;
+    r.units = 1;
+    r.budget_per_sequence_layer = plan_.budget_bytes;
+    r.full_window_bytes = plan_.full_window_bytes;
+    r.quantized_window_bytes = plan_.quantized_window_bytes();
+    r.layers.resize(static_cast<std::size_t>(geo_.layers));
+    for (std::size_t s = 0; s < sequences_.size(); ++s) {
+      if (!sequences_[s].active) continue;
+      ++r.sequences;
+      for (int l = 0; l < geo_.layers; ++l) {
+        layer_report& lr = r.layers[static_cast<std::size_t>(l)];
+        const mirror& m = mirror_of(static_cast<sequence_id>(s), l);
+        const tier_counts c = counts_of(download_table(static_cast<sequence_id>(s), l), m);
+        lr.counts += c;
+        lr.used.sink += c.sink_tokens * plan_.token_bytes;
+        lr.used.recent += c.recent_tokens * plan_.token_bytes;
+        lr.used.full += c.full * plan_.full_window_bytes;
+        lr.used.quantized_codes += c.quantized * plan_.record.code_bytes();
+        lr.used.quantized_metadata += c.quantized * plan_.record.metadata_bytes();
+        lr.used.ledger_copies += c.ledger_copies * plan_.quantized_window_bytes();
+        lr.used.tables += plan_.table_bytes();
+        lr.reserved += plan(l).reserved();
+        lr.budget_bytes += plan(l).budget_bytes;
+        lr.full_cache_bytes += static_cast<std::size_t>(m.tokens) * plan_.token_bytes;
+      }
+    }
+    return r;
+  }
+
+  /// Keys (after RoPE) and values of window w as attention sees them, [window][kv_heads][head_dim].
+  void read_window(sequence_id s, int layer, int w, float* k_post, float* v) const {
+    check();
+    const mirror& m = mirror_of(s, layer);
+    const std::vector<window_record> table = download_table(s, layer);
+    const window_record& rec = table[static_cast<std::size_t>(w)];
+    const tier t = tier_of(rec, w < m.aged);
+    detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, Wn = plan_.window;
+    const std::size_t eb = element_bytes(geo_.element);
+    const std::byte* region = S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes;
+    auto put = [&](int j, int h, int c, float key, float value) {
+      k_post[(static_cast<std::size_t>(j) * hkv + h) * d + c] = key;
+      v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = value;
+    };
+    if (t == tier::quantized) {
+      std::vector<std::uint8_t> bytes(plan_.quantized_window_bytes());
+      QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + plan_.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * bytes.size(),
+                                   bytes.size(), cudaMemcpyDeviceToHost));
+      const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
+      std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
+      for (int j = 0; j < Wn; ++j)
+        for (int h = 0; h < hkv; ++h) {
+          quantizer::dequantize_key(plan_.record, bytes.data(), h, j, kd.data());
+          quantizer::dequantize_value(plan_.record, bytes.data(), h, j, vd.data());
+          rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), window_first_position(s, w) + j);
+          for (int c = 0; c < d; ++c) put(j, h, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
+        }
+      return;
+    }
+    int capacity = Wn, first_slot = 0;
+    std::size_t offset = 0;
+    if (t == tier::full) {
+      offset = plan_.full_offset + static_cast<std::size_t>(rec.full_slot) * plan_.full_window_bytes;
+    } else {
+      detail::require(plan_.sinks + (w + 1) * Wn <= m.tokens, "read_window: window " + std::to_string(w) + " is not complete yet");
+      offset = plan_.recent_offset;
+      capacity = plan_.recent_capacity;
+      first_slot = w * Wn;
+    }
+    std::vector<std::byte> block(static_cast<std::size_t>(hkv) * 2 * capacity * d * eb);
+    QEVICT_CUDA_CHECK(cudaMemcpy(block.data(), region + offset, block.size(), cudaMemcpyDeviceToHost));
+    for (int j = 0; j < Wn; ++j) {
+      const int slot = (first_slot + j) % capacity;
+      for (int h = 0; h < hkv; ++h)
+        for (int c = 0; c < d; ++c)
+          put(j, h, c, numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * h) * capacity + slot) * d + c),
+              numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * h + 1) * capacity + slot) * d + c));
+    }
+  }
+
+  /// The bytes of window w's ledger record (a host copy, valid until the next call; empty if none).
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+    check();
+    const std::vector<window_record> table = download_table(s, layer);
+    const window_record& rec = table[static_cast<std::size_t>(w)];
+    if (rec.ledger_slot < 0) return {};
+    record_copy_.resize(plan_.quantized_window_bytes());
+    const std::byte* region = S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes;
+    QEVICT_CUDA_CHECK(cudaMemcpy(record_copy_.data(),
+                                 region + plan_.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * record_copy_.size(),
+                                 record_copy_.size(), cudaMemcpyDeviceToHost));
+    return {record_copy_.data(), record_copy_.size()};
+  }
+
+  /// Overrides window w's cumulative score (stream-ordered).
+  void set_score(sequence_id s, int layer, int w, float score) {
+    window_record* table = reinterpret_cast<window_record*>(S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes);
+    score_staging_ = score;
+    QEVICT_CUDA_CHECK(cudaMemcpyAsync(&table[w].score, &score_staging_, sizeof(float), cudaMemcpyHostToDevice, set_.stream));
+    QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
+  }
+
+  int windows_started(int tokens) const {
+    return tokens > plan_.sinks ? (tokens - plan_.sinks + plan_.window - 1) / plan_.window : 0;
+  }
+  int aged(sequence_id s, int layer) const { return mirror_of(s, layer).aged; }
+
+ private:
+  struct sequence {
+    bool active = false;
+    long long first_position = 0;
+  };
+  /// Host mirror of a lane: all three follow from the calls alone.
+  struct mirror {
+    int tokens = 0;
+    int aged = 0;
+    int steps = 0;
+  };
+
+  template <class T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    QEVICT_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+    allocations_.push_back(p);
+    return static_cast<T*>(p);
+  }
+
+  int lane_index(sequence_id s, int layer) const { return static_cast<int>(s) * geo_.layers + layer; }
+  mirror& mirror_of(sequence_id s, int layer) { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
+  const mirror& mirror_of(sequence_id s, int layer) const { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
+  int aged_windows_for(int tokens) const {
+    const int span = tokens - plan_.sinks - plan_.recent;
+    return span > 0 ? span / plan_.window : 0;
+  }
+  bool recent_full(const mirror& m) const {
+    return m.tokens >= plan_.sinks && std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window) >= plan_.recent_capacity;
+  }
+  long long window_first_position(sequence_id s, int w) const {
+    return first_position(s) + plan_.sinks + static_cast<long long>(w) * plan_.window;
+  }
+
+  void launch_scan(const float* x, std::size_t n, int call, int input) {
+    if (n == 0) return;
+    const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(1024, (n + 255) / 256));
+    kernels::detail::scan_finite_kernel<<<blocks, 256, 0, set_.stream>>>(x, n, S_.error, call, input);
+    QEVICT_CUDA_CHECK_LAUNCH("scan_finite_kernel");
+  }
+
+  /// One routing event for every listed lane: decide, quantize, store.
+  void launch_route(const kernels::lane_list& list, const kernels::route_source& src, int source_kind) {
+    cudaStream_t st = set_.stream;
+    const std::size_t smem = static_cast<std::size_t>(P_.sort_capacity) * 8;
+    kernels::detail::route_decide_kernel<scorer><<<static_cast<unsigned>(list.n), kernels::detail::route_threads, smem, st>>>(
+        P_, S_, list, source_kind);
+    QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
+    // Prefill moves many windows; decode only a few per event.
+    const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : 2u);
+    if (geo_.head_dim == 128) {
+      kernels::detail::quantize_kernel<128, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
+      kernels::detail::store_full_kernel<128, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+    } else {
+      kernels::detail::quantize_kernel<64, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
+      kernels::detail::store_full_kernel<64, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+    }
+    QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
+    for (int i = 0; i < list.n; ++i) {
+      mirror& m = mirrors_[static_cast<std::size_t>(list.lane[i])];
+      m.aged = std::max(m.aged, aged_windows_for(m.tokens));
+      m.steps = 0;
+    }
+  }
+
+  std::vector<window_record> download_table(sequence_id s, int layer) const {
+    std::vector<window_record> t(static_cast<std::size_t>(std::max(1, plan_.max_windows)));
+    QEVICT_CUDA_CHECK(cudaMemcpy(t.data(), S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes,
+                                 static_cast<std::size_t>(plan_.max_windows) * sizeof(window_record), cudaMemcpyDeviceToHost));
+    return t;
+  }
+
+  tier_counts counts_of(const std::vector<window_record>& table, const mirror& m) const {
+    tier_counts c;
+    c.sink_tokens = static_cast<std::size_t>(std::min(m.tokens, plan_.sinks));
+    c.recent_tokens = static_cast<std::size_t>(std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window));
+    for (int e = 0; e < m.aged; ++e) {
+      switch (tier_of(table[static_cast<std::size_t>(e)], true)) {
+        case tier::full: ++c.full; c.ledger_copies += table[static_cast<std::size_t>(e)].ledger_slot >= 0 ? 1u : 0u; break;
+        case tier::quantized: ++c.quantized; break;
+        default: ++c.evicted; break;
+      }
+    }
+    return c;
+  }
+
+  geometry geo_;
+  limits lim_;
+  options opt_;
+  cuda_settings set_;
+  region_plan plan_;
+  std::vector<region_plan> plans_;
+  std::size_t lanes_total_ = 0;
+  kernels::cache_params P_{};
+  kernels::cache_pointers S_{};
+  bool owned_arena_ = false;
+  std::vector<void*> allocations_;
+  float *part_o_ = nullptr, *part_mass_ = nullptr, *q_rotated_ = nullptr;
+  float2 *part_ml_ = nullptr, *cs_table_ = nullptr;
+  mutable std::vector<mirror> mirrors_;
+  std::vector<sequence> sequences_;
+  mutable std::vector<std::uint8_t> record_copy_;
+  float score_staging_ = 0.0f;
+};
+
+}  // namespace backend
+}  // namespace qevict

@@ -1,0 +1,250 @@
+#pragma once
+// Device state of the CUDA backend and the small kernels of a decode step: the input check
+// (finiteness, reported through a device error flag), append (RoPE, store into the sinks or the
+// recent ring) and the attend prologue (batch lanes, the lane states the decode kernel sees).
+//
+// Error flag. Inputs live on the device, so the host cannot scan them without a sync. Each call
+// scans its inputs first; a non-finite value sets the flag, and every later kernel that changes
+// the cache sees the flag and does nothing, so the cache stays as it was before the bad call until
+// the host reads the flag at its next synchronizing call and throws qevict::error.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "qevict/core/layout.hpp"
+#include "qevict/kernels/decode_attention.cuh"
+#include "qevict/kernels/rope.cuh"
+
+namespace qevict::kernels {
+
+/// The first bad input the device found (code 0: none).
+struct device_error {
+  int code = 0;   ///< 1: NaN, 2: infinite
+  int call = 0;   ///< 1: append, 2: attend, 3: prefill
+  int input = 0;  ///< 0: q, 1: k, 2: v
+  int pad = 0;
+  long long index = 0;  ///< element index in that input
+};
+
+/// Up to 1024 lanes (sequence slot * layers + layer) passed by value to a launch.
+struct lane_list {
+  static constexpr int capacity = 1024;
+  int n = 0;
+  int lane[capacity];
+};
+
+/// Per-lane bookkeeping that only the CUDA backend keeps (the decode kernel does not read it).
+struct lane_extra {
+  int steps = 0;               ///< attends since the last routing event
+  int free_full = 0;           ///< entries on the lane's stack of free Full slots
+  int free_ledger = 0;         ///< entries on the lane's stack of free ledger slots
+  int pad = 0;
+};
+
+/// One data movement of a routing event (one window, all KV heads).
+struct migration_task {
+  std::int32_t window = 0;
+  std::int32_t source = 0;    ///< 0: recent ring, 1: Full slot src_slot, 2: prefill buffers, 3: ledger slot src_slot
+  std::int32_t src_slot = 0;
+  std::int32_t dst_slot = 0;  ///< ledger slot (quantize) or Full slot (store)
+};
+
+/// Grid-invariant description of the cache, built on the host from region_plan.
+struct cache_params {
+  decode_layout L;
+  element_type element = element_type::bf16;
+  int q_heads = 0;
+  int recent = 0;              ///< L: tokens that never age
+  int routing_interval = 0;
+  int max_windows = 0;
+  int sort_capacity = 0;       ///< power of two >= max_windows (routing's shared-memory sort)
+  int full_capacity = 0;       ///< K_f
+  int ledger_capacity = 0;     ///< K_q
+  int max_tasks = 0;           ///< per lane and routing event, of each kind
+};
+
+/// Device pointers of the state (every array is sized at construction).
+struct cache_pointers {
+  std::byte* arena = nullptr;
+  lane_state* lanes = nullptr;          ///< the truth for tokens, aged, n_entries, first position
+  lane_state* attend_lanes = nullptr;   ///< what the decode kernel reads (zeroed for a bad call)
+  window_entry* entries = nullptr;      ///< window list: entries_per_lane per lane
+  lane_extra* extra = nullptr;
+  std::int32_t* free_full = nullptr;    ///< K_f per lane (a stack)
+  std::int32_t* free_ledger = nullptr;  ///< K_q per lane (a stack)
+  int* batch_lanes = nullptr;           ///< lane of each batch element of the current attend
+  device_error* error = nullptr;
+  const double* inv_freq = nullptr;
+  migration_task* quantize_tasks = nullptr;  ///< max_tasks per routed lane of one launch
+  migration_task* store_tasks = nullptr;
+  int* task_counts = nullptr;                ///< 2 per routed lane of one launch
+};
+
+namespace detail {
+
+__device__ __forceinline__ bool failed(const device_error* e) {
+  return *reinterpret_cast<const volatile int*>(&e->code) != 0;
+}
+
+/// Scans x[0, n) on one block; the first non-finite value found sets the flag.
+__device__ inline void scan_finite(const float* x, std::size_t n, device_error* e, int call, int input) {
+  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = x[i];
+    if (!numeric::is_finite(v)) {
+      if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
+        e->call = call;
+        e->input = input;
+        e->index = static_cast<long long>(i);
+      }
+      break;
+    }
+  }
+}
+
+/// Multi-block version for large inputs (prefill).
+__global__ void scan_finite_kernel(const float* x, std::size_t n, device_error* e, int call, int input) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const float v = x[i];
+    if (!numeric::is_finite(v)) {
+      if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
+        e->call = call;
+        e->input = input;
+        e->index = static_cast<long long>(i);
+      }
+      return;
+    }
+  }
+}
+
+/// Rotates the pair (x0, x1) by +angle (sign 1) or -angle (sign -1) exactly as rope::rotary
+/// does on the host: cos/sin and both products in double, no fused multiply-add, then float.
+__device__ __forceinline__ void rotate_pair(float& x0, float& x1, long long position, double inv_freq, int sign) {
+  double c, s;
+  thread::rope_cos_sin(position, inv_freq, c, s);
+  if (sign < 0) s = -s;
+  const double a = x0, b = x1;
+  x0 = static_cast<float>(__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)));
+  x1 = static_cast<float>(__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+}
+
+__device__ __forceinline__ void pair_members(rope_layout layout, int head_dim, int i, int& a, int& b) {
+  if (layout == rope_layout::interleaved) {
+    a = 2 * i;
+    b = 2 * i + 1;
+  } else {
+    a = i;
+    b = i + head_dim / 2;
+  }
+}
+
+/// Index of key (h, slot, c) in a token block of capacity C: [heads][keys C | values C][head_dim].
+__device__ __forceinline__ std::size_t key_index(int D, int C, int h, int slot, int c) {
+  return (static_cast<std::size_t>(2 * h) * C + slot) * D + c;
+}
+__device__ __forceinline__ std::size_t value_index(int D, int C, int h, int slot, int c) {
+  return (static_cast<std::size_t>(2 * h + 1) * C + slot) * D + c;
+}
+
+/// Append: one block. Scans k and v, then stores one token per listed lane.
+template <class Scorer, bool Rotates>
+__global__ void __launch_bounds__(1024) append_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+                                                      const float* k, const float* v) {
+  const decode_layout& L = P.L;
+  const int D = L.head_dim, H = L.kv_heads;
+  const std::size_t row = static_cast<std::size_t>(H) * D;
+  scan_finite(k, list.n * row, S.error, 1, 1);
+  scan_finite(v, list.n * row, S.error, 1, 2);
+  __syncthreads();
+  if (failed(S.error)) return;
+  // Keys: one thread per rotary pair.
+  const int pairs = H * D / 2;
+  for (int e = threadIdx.x; e < list.n * pairs; e += blockDim.x) {
+    const int b = e / pairs, hp = e % pairs, h = hp / (D / 2), i = hp % (D / 2);
+    const int lane_index = list.lane[b];
+    const lane_state lane = S.lanes[lane_index];
+    const int t = lane.tokens;
+    std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+    int a, bb;
+    pair_members(L.layout, D, i, a, bb);
+    float x0 = k[b * row + static_cast<std::size_t>(h) * D + a], x1 = k[b * row + static_cast<std::size_t>(h) * D + bb];
+    if constexpr (Rotates) rotate_pair(x0, x1, lane.first_position + t, S.inv_freq[i], +1);
+    const bool sink = t < L.sinks;
+    void* base = region + (sink ? L.sink_offset : L.recent_offset);
+    const int C = sink ? L.sinks : L.recent_capacity;
+    const int slot = sink ? t : (t - L.sinks) % L.recent_capacity;
+    numeric::store(P.element, base, key_index(D, C, h, slot, a), x0);
+    numeric::store(P.element, base, key_index(D, C, h, slot, bb), x1);
+  }
+  for (int e = threadIdx.x; e < list.n * H * D; e += blockDim.x) {
+    const int b = e / (H * D), h = (e / D) % H, c = e % D;
+    const int lane_index = list.lane[b];
+    const int t = S.lanes[lane_index].tokens;
+    std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+    const bool sink = t < L.sinks;
+    void* base = region + (sink ? L.sink_offset : L.recent_offset);
+    const int C = sink ? L.sinks : L.recent_capacity;
+    const int slot = sink ? t : (t - L.sinks) % L.recent_capacity;
+    numeric::store(P.element, base, value_index(D, C, h, slot, c), v[b * row + static_cast<std::size_t>(h) * D + c]);
+  }
+  __syncthreads();  // every thread has read lanes[].tokens
+  for (int b = threadIdx.x; b < list.n; b += blockDim.x) {
+    lane_state& lane = S.lanes[list.lane[b]];
+    const int t = lane.tokens;
+    if (t >= L.sinks && (t - L.sinks) % L.window == 0) {  // first token of a new window
+      const int w = (t - L.sinks) / L.window;
+      window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(list.lane[b]) * L.region_bytes);
+      table[w].score = Scorer::initial_score(w);
+    }
+    lane.tokens = t + 1;
+  }
+}
+
+/// Attend prologue: one block. Scans q, writes the batch's lanes and the lane states the decode
+/// kernel reads (empty lanes after a bad input, so that nothing changes), counts the step.
+__global__ void __launch_bounds__(1024) attend_prologue_kernel(const cache_params P, const cache_pointers S,
+                                                               const lane_list list, const float* q) {
+  scan_finite(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim, S.error, 2, 0);
+  __syncthreads();
+  const bool bad = failed(S.error);
+  for (int b = threadIdx.x; b < list.n; b += blockDim.x) {
+    const int l = list.lane[b];
+    S.batch_lanes[b] = l;
+    lane_state s = S.lanes[l];
+    if (bad) {
+      s.tokens = 0;
+      s.aged = 0;
+      s.n_entries = 0;
+    } else {
+      ++S.extra[l].steps;
+    }
+    S.attend_lanes[l] = s;
+  }
+}
+
+/// Resets the lanes of a new sequence: empty table, every slot free. One block per lane.
+__global__ void reset_lanes_kernel(const cache_params P, const cache_pointers S, const lane_list list, long long first_position) {
+  const int l = list.lane[blockIdx.x];
+  window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(l) * P.L.region_bytes);
+  for (int e = threadIdx.x; e < P.max_windows; e += blockDim.x) table[e] = window_record{};
+  // Host order: the stack holds K-1 ... 0, so the first pop gives slot 0.
+  for (int i = threadIdx.x; i < P.full_capacity; i += blockDim.x)
+    S.free_full[static_cast<std::size_t>(l) * P.full_capacity + i] = P.full_capacity - 1 - i;
+  for (int i = threadIdx.x; i < P.ledger_capacity; i += blockDim.x)
+    S.free_ledger[static_cast<std::size_t>(l) * P.ledger_capacity + i] = P.ledger_capacity - 1 - i;
+  if (threadIdx.x == 0) {
+    lane_state s;
+    s.first_position = first_position;
+    S.lanes[l] = s;
+    S.attend_lanes[l] = s;
+    lane_extra x;
+    x.free_full = P.full_capacity;
+    x.free_ledger = P.ledger_capacity;
+    S.extra[l] = x;
+  }
+}
+
+}  // namespace detail
+}  // namespace qevict::kernels

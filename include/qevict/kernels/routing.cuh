@@ -1,0 +1,475 @@
+#pragma once
+// Routing events on the device (Algorithm 1), for every due (sequence, layer) lane in one launch
+// of each of three kernels:
+//
+//   route_decide_kernel   one CTA per lane: candidates = Full ∪ Quantized ∪ newly aged windows,
+//                         sorted in shared memory by (score desc, window asc) — core/routing.hpp's
+//                         ranks_before — then assign_tiers' rule (K_f, then K_q − |F ∩ ledger|),
+//                         slot bookkeeping, window-table update, window list, after_routing.
+//   quantize_kernel       first demotions into the ledger (from a Full slot, the recent ring or
+//                         the prefill's buffers): unrotate, quantize with the policy's own code.
+//   store_full_kernel     promotions (dequantize + RoPE) and newly aged windows into Full slots.
+//
+// Slots. The host backend keeps each lane's free slots on two stacks and, in rank order, frees
+// (evictions, then demotions) before it takes (demotions needing a record, new quantized windows;
+// promotions, new Full windows). All pushes of one event precede all pops of the same stack, so
+// the stack position of every push and pop follows from prefix counts in rank order: the device
+// gives every window exactly the slot the host gives it, and the arenas match byte for byte.
+//
+// Data. A Full slot freed by a demotion can be taken by a promotion of the same event: the
+// quantize kernel (which reads it) runs before the store kernel (which writes it).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "qevict/kernels/cache_state.cuh"
+
+namespace qevict::kernels {
+
+/// Where the tokens of windows that age during this event come from: the recent ring (decode) or
+/// the prefill's RoPE'd keys and values (float, [tokens][kv_heads][head_dim]).
+struct route_source {
+  const float* k_post = nullptr;
+  const float* v = nullptr;
+};
+
+namespace detail {
+
+constexpr int route_threads = 1024;
+
+/// Float score -> unsigned key whose ascending order is descending score (+0 and -0 equal).
+__device__ __forceinline__ std::uint32_t descending_score_key(float s) {
+  if (s == 0.0f) s = 0.0f;
+  std::uint32_t u = __float_as_uint(s);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ~u;
+}
+
+/// Exclusive prefix counts of N flags over one tile of blockDim.x items (thread order), and the
+/// tile's totals. `warp_sums` holds N * 32 ints of shared memory.
+template <int N>
+__device__ inline void tile_scan(const bool (&flag)[N], int (&rank)[N], int (&total)[N], int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  unsigned mask[N];
+#pragma unroll
+  for (int f = 0; f < N; ++f) {
+    mask[f] = __ballot_sync(0xffffffffu, flag[f]);
+    if (lane == 0) warp_sums[f * 32 + warp] = __popc(mask[f]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int f = 0; f < N; ++f) {
+    int before = 0, all = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int c = warp_sums[f * 32 + w];
+      before += w < warp ? c : 0;
+      all += c;
+    }
+    rank[f] = before + __popc(mask[f] & below);
+    total[f] = all;
+  }
+  __syncthreads();
+}
+
+/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane.
+template <class Scorer>
+__global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
+                                                                     const lane_list list, int source_kind) {
+  extern __shared__ unsigned long long keys[];  // P.sort_capacity
+  __shared__ int warp_sums[7 * 32];
+  __shared__ int n_candidates;
+  const decode_layout& L = P.L;
+  int* task_count = S.task_counts + 2 * blockIdx.x;
+  if (failed(S.error)) {
+    if (threadIdx.x == 0) task_count[0] = task_count[1] = 0;
+    return;
+  }
+  const int l = list.lane[blockIdx.x];
+  lane_state& lane = S.lanes[l];
+  lane_extra& extra = S.extra[l];
+  window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(l) * L.region_bytes);
+  std::int32_t* free_full = S.free_full + static_cast<std::size_t>(l) * P.full_capacity;
+  std::int32_t* free_ledger = S.free_ledger + static_cast<std::size_t>(l) * P.ledger_capacity;
+  migration_task* qtasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+  migration_task* stasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+
+  const int tokens = lane.tokens;
+  const int aged_before = lane.aged;
+  const int span = tokens - L.sinks - P.recent;
+  const int aged_after = max(aged_before, span > 0 ? span / L.window : 0);
+  const int started = tokens > L.sinks ? (tokens - L.sinks + L.window - 1) / L.window : 0;
+
+  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged (order is restored by the sort).
+  if (threadIdx.x == 0) n_candidates = 0;
+  __syncthreads();
+  for (int w = threadIdx.x; w < aged_after; w += blockDim.x) {
+    const window_record r = table[w];
+    if (tier_of(r, w < aged_before) == tier::evicted) continue;
+    const int at = atomicAdd(&n_candidates, 1);
+    keys[at] = (static_cast<unsigned long long>(descending_score_key(r.score)) << 32) | static_cast<std::uint32_t>(w);
+  }
+  __syncthreads();
+  const int n = n_candidates;
+  int N = 1;
+  while (N < n) N <<= 1;
+  for (int i = n + threadIdx.x; i < N; i += blockDim.x) keys[i] = ~0ull;
+  __syncthreads();
+  // Bitonic sort, ascending key = ranks_before order.
+  for (int k = 2; k <= N; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const unsigned long long a = keys[i], b = keys[p];
+          if (((i & k) == 0) == (a > b)) {
+            keys[i] = b;
+            keys[p] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+
+  // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
+  const int n_full = min(P.full_capacity, n);
+  int kept_by_full = 0;
+  for (int base = 0; base < n_full; base += blockDim.x) {
+    const int r = base + threadIdx.x;
+    const bool has = r < n_full && table[static_cast<std::uint32_t>(keys[r])].ledger_slot >= 0;
+    kept_by_full += __syncthreads_count(has);
+  }
+  const int room = P.ledger_capacity > kept_by_full ? P.ledger_capacity - kept_by_full : 0;
+  const int n_quantized = min(room, n - n_full);
+
+  // Flags of the candidate at rank r: 0 evicted holding a Full slot, 1 demoted (Full -> Quantized),
+  // 2 promoted (Quantized -> Full), 3 newly aged -> Full, 4 evicted holding a record,
+  // 5 demoted without a record yet, 6 newly aged -> Quantized.
+  auto flags_of = [&](int r, bool (&f)[7]) {
+#pragma unroll
+    for (int i = 0; i < 7; ++i) f[i] = false;
+    if (r >= n) return;
+    const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
+    const window_record rec = table[w];
+    const tier prev = tier_of(rec, w < aged_before);
+    const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
+    f[0] = next == tier::evicted && rec.full_slot >= 0;
+    f[4] = next == tier::evicted && rec.ledger_slot >= 0;
+    f[1] = next == tier::quantized && prev == tier::full;
+    f[5] = f[1] && rec.ledger_slot < 0;
+    f[6] = next == tier::quantized && prev == tier::recent;
+    f[2] = next == tier::full && prev == tier::quantized;
+    f[3] = next == tier::full && prev == tier::recent;
+  };
+  // Totals.
+  int T[7] = {0, 0, 0, 0, 0, 0, 0};
+  for (int base = 0; base < n; base += blockDim.x) {
+    bool f[7];
+    int rank[7], total[7];
+    flags_of(base + threadIdx.x, f);
+    tile_scan<7>(f, rank, total, warp_sums);
+#pragma unroll
+    for (int i = 0; i < 7; ++i) T[i] += total[i];
+  }
+  const int full0 = extra.free_full, ledger0 = extra.free_ledger;
+  // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
+  {
+    int carry[7] = {0, 0, 0, 0, 0, 0, 0};
+    for (int base = 0; base < n; base += blockDim.x) {
+      const int r = base + threadIdx.x;
+      bool f[7];
+      int rank[7], total[7];
+      flags_of(r, f);
+      tile_scan<7>(f, rank, total, warp_sums);
+      if (r < n) {
+        const window_record rec = table[static_cast<std::uint32_t>(keys[r])];
+        if (f[0]) free_full[full0 + carry[0] + rank[0]] = rec.full_slot;
+        if (f[1]) free_full[full0 + T[0] + carry[1] + rank[1]] = rec.full_slot;
+        if (f[4]) free_ledger[ledger0 + carry[4] + rank[4]] = rec.ledger_slot;
+      }
+#pragma unroll
+      for (int i = 0; i < 7; ++i) carry[i] += total[i];
+    }
+  }
+  __syncthreads();
+  // Pops and table updates; migration tasks in the host's order.
+  const int full_top = full0 + T[0] + T[1];      // stack size after the pushes
+  const int ledger_top = ledger0 + T[4];
+  {
+    int carry[7] = {0, 0, 0, 0, 0, 0, 0};
+    for (int base = 0; base < n; base += blockDim.x) {
+      const int r = base + threadIdx.x;
+      bool f[7];
+      int rank[7], total[7];
+      flags_of(r, f);
+      tile_scan<7>(f, rank, total, warp_sums);
+      if (r < n) {
+        const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
+        window_record rec = table[w];
+        const int rk[7] = {carry[0] + rank[0], carry[1] + rank[1], carry[2] + rank[2], carry[3] + rank[3],
+                           carry[4] + rank[4], carry[5] + rank[5], carry[6] + rank[6]};
+        if (f[0] || f[4]) {
+          rec.full_slot = rec.ledger_slot = -1;
+        } else if (f[1]) {
+          if (f[5]) {
+            const int slot = free_ledger[ledger_top - 1 - rk[5]];
+            qtasks[rk[5]] = migration_task{w, 1, rec.full_slot, slot};
+            rec.ledger_slot = slot;
+          }
+          rec.full_slot = -1;
+        } else if (f[6]) {
+          const int k = T[5] + rk[6];
+          const int slot = free_ledger[ledger_top - 1 - k];
+          qtasks[k] = migration_task{w, source_kind, 0, slot};
+          rec.ledger_slot = slot;
+        } else if (f[2]) {
+          const int slot = free_full[full_top - 1 - rk[2]];
+          stasks[rk[2]] = migration_task{w, 3, rec.ledger_slot, slot};
+          rec.full_slot = slot;
+        } else if (f[3]) {
+          const int k = T[2] + rk[3];
+          const int slot = free_full[full_top - 1 - k];
+          stasks[k] = migration_task{w, source_kind, 0, slot};
+          rec.full_slot = slot;
+        }
+        table[w].full_slot = rec.full_slot;
+        table[w].ledger_slot = rec.ledger_slot;
+      }
+#pragma unroll
+      for (int i = 0; i < 7; ++i) carry[i] += total[i];
+    }
+  }
+  __syncthreads();
+  // Window list (window order) and after_routing on every live window.
+  {
+    int carry = 0;
+    for (int base = 0; base < started; base += blockDim.x) {
+      const int w = base + threadIdx.x;
+      bool f[1] = {false};
+      window_record rec{};
+      if (w < started) {
+        rec = table[w];
+        const tier t = tier_of(rec, w < aged_after);
+        f[0] = t == tier::full || t == tier::quantized;
+        if (t != tier::evicted) table[w].score = Scorer::after_routing(rec.score);
+      }
+      int rank[1], total[1];
+      tile_scan<1>(f, rank, total, warp_sums);
+      if (f[0])
+        S.entries[static_cast<std::size_t>(l) * L.entries_per_lane + carry + rank[0]] =
+            window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
+      carry += total[0];
+    }
+    if (threadIdx.x == 0) {
+      lane.aged = aged_after;
+      lane.n_entries = carry;
+      extra.steps = 0;
+      extra.free_full = full_top - T[2] - T[3];
+      extra.free_ledger = ledger_top - T[5] - T[6];
+      task_count[0] = T[5] + T[6];
+      task_count[1] = T[2] + T[3];
+    }
+  }
+}
+
+/// Loads post-RoPE key and value element (token j of window w, head h, channel c) from a source.
+struct token_reader {
+  const cache_params* P;
+  const std::byte* region;
+  route_source src;
+  int kind, slot;
+  __device__ float key(int w, int j, int h, int c) const {
+    const decode_layout& L = P->L;
+    const int D = L.head_dim;
+    if (kind == 0) {
+      const int s = (w * L.window + j) % L.recent_capacity;
+      return numeric::load(P->element, region + L.recent_offset, key_index(D, L.recent_capacity, h, s, c));
+    }
+    if (kind == 1)
+      return numeric::load(P->element, region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes,
+                           key_index(D, L.window, h, j, c));
+    const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
+    return src.k_post[(t * L.kv_heads + h) * D + c];
+  }
+  __device__ float value(int w, int j, int h, int c) const {
+    const decode_layout& L = P->L;
+    const int D = L.head_dim;
+    if (kind == 0) {
+      const int s = (w * L.window + j) % L.recent_capacity;
+      return numeric::load(P->element, region + L.recent_offset, value_index(D, L.recent_capacity, h, s, c));
+    }
+    if (kind == 1)
+      return numeric::load(P->element, region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes,
+                           value_index(D, L.window, h, j, c));
+    const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
+    return src.v[(t * L.kv_heads + h) * D + c];
+  }
+};
+
+/// Quantizes window tasks into ledger records: one warp per (task, KV head). Worker k (k < D/4)
+/// owns channels 4k..4k+3, i.e. one code byte per token, so no two lanes share a byte.
+template <int D, class Q, bool Rotates>
+__global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+                                                       const route_source src) {
+  static_assert(Q::bits == 2, "quantize_kernel: 2-bit codes");
+  constexpr int W = 8;
+  if (failed(S.error)) return;
+  const decode_layout& L = P.L;
+  const int l = list.lane[blockIdx.x];
+  const int n_tasks = S.task_counts[2 * blockIdx.x];
+  const std::byte* region_c = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
+  std::byte* region = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
+  const long long first = S.lanes[l].first_position;
+  const int lane_id = threadIdx.x & 31;
+  const int warps = blockDim.x / 32 * gridDim.y;
+  const int worker = lane_id;
+  const bool active = worker < D / 4;
+  const quantizers::record_layout R = Q::layout(W, 1, D);
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads; item += warps) {
+    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + item / L.kv_heads];
+    const int h = item % L.kv_heads, w = task.window;
+    const token_reader rd{&P, region_c, src, task.source, task.src_slot};
+    std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
+                                                        static_cast<std::size_t>(h) * L.record_head_bytes);
+    if (active) {
+      // Keys: pre-RoPE, one group per channel across the window's tokens.
+      float kx[W][4];
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const long long pos = first + L.sinks + static_cast<long long>(w) * W + j;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int c = 4 * worker + m;
+          if constexpr (Rotates) {
+            const int i = L.layout == rope_layout::interleaved ? c / 2 : c % (D / 2);
+            int a, b;
+            pair_members(L.layout, D, i, a, b);
+            float x0 = rd.key(w, j, h, a), x1 = rd.key(w, j, h, b);
+            rotate_pair(x0, x1, pos, S.inv_freq[i], -1);
+            kx[j][m] = c == a ? x0 : x1;
+          } else {
+            kx[j][m] = rd.key(w, j, h, c);
+          }
+        }
+      }
+      std::uint8_t bytes[W] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int c = 4 * worker + m;
+        float lo = kx[0][m], hi = lo;
+#pragma unroll
+        for (int j = 1; j < W; ++j) {
+          lo = kx[j][m] < lo ? kx[j][m] : lo;
+          hi = kx[j][m] > hi ? kx[j][m] : hi;
+        }
+        typename Q::meta_storage s, z;
+        Q::choose_scale_zero(lo, hi, s, z);
+        Q::store_meta(rec + R.key_scale_offset(), c, s);
+        Q::store_meta(rec + R.key_zero_offset(), c, z);
+        const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
+#pragma unroll
+        for (int j = 0; j < W; ++j) bytes[j] |= static_cast<std::uint8_t>(Q::code_of(kx[j][m], sf, zf) << (2 * m));
+      }
+#pragma unroll
+      for (int j = 0; j < W; ++j) rec[j * (D / 4) + worker] = bytes[j];
+    }
+    // Values: one group per token across channels.
+    for (int j = 0; j < W; ++j) {
+      float vx[4];
+      float lo = INFINITY, hi = -INFINITY;
+      if (active) {
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          vx[m] = rd.value(w, j, h, 4 * worker + m);
+          lo = fminf(lo, vx[m]);
+          hi = fmaxf(hi, vx[m]);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      }
+      typename Q::meta_storage s, z;
+      Q::choose_scale_zero(lo, hi, s, z);
+      if (lane_id == 0) {
+        Q::store_meta(rec + R.value_scale_offset(), j, s);
+        Q::store_meta(rec + R.value_zero_offset(), j, z);
+      }
+      if (active) {
+        const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
+        std::uint8_t byte = 0;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) byte |= static_cast<std::uint8_t>(Q::code_of(vx[m], sf, zf) << (2 * m));
+        rec[R.value_codes_offset() + j * (D / 4) + worker] = byte;
+      }
+    }
+  }
+}
+
+/// Dequantized pre-RoPE key / value element of a record head, as Q::dequantize_* computes it
+/// (product and sum rounded separately, like the host's scalar code).
+template <class Q>
+__device__ __forceinline__ float record_key(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
+  const float s = Q::meta_type::decode(Q::load_meta(rec + R.key_scale_offset(), c));
+  const float z = Q::meta_type::decode(Q::load_meta(rec + R.key_zero_offset(), c));
+  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec, static_cast<std::size_t>(t) * R.head_dim + c))));
+}
+template <class Q>
+__device__ __forceinline__ float record_value(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
+  const float s = Q::meta_type::decode(Q::load_meta(rec + R.value_scale_offset(), t));
+  const float z = Q::meta_type::decode(Q::load_meta(rec + R.value_zero_offset(), t));
+  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
+}
+
+/// Fills Full slots: promotions (dequantize, RoPE at the stored positions) and newly aged windows.
+/// One warp per (task, KV head).
+template <int D, class Q, bool Rotates>
+__global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+                                                         const route_source src) {
+  constexpr int W = 8;
+  if (failed(S.error)) return;
+  const decode_layout& L = P.L;
+  const int l = list.lane[blockIdx.x];
+  const int n_tasks = S.task_counts[2 * blockIdx.x + 1];
+  std::byte* region = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
+  const long long first = S.lanes[l].first_position;
+  const int lane_id = threadIdx.x & 31;
+  const int warps = blockDim.x / 32 * gridDim.y;
+  const quantizers::record_layout R = Q::layout(W, 1, D);
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads; item += warps) {
+    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + item / L.kv_heads];
+    const int h = item % L.kv_heads, w = task.window;
+    void* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
+    if (task.source == 3) {
+      const std::uint8_t* rec = reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset +
+                                                                      static_cast<std::size_t>(task.src_slot) * L.record_bytes +
+                                                                      static_cast<std::size_t>(h) * L.record_head_bytes);
+      for (int e = lane_id; e < W * (D / 2); e += 32) {
+        const int j = e / (D / 2), i = e % (D / 2);
+        int a, b;
+        pair_members(L.layout, D, i, a, b);
+        float x0 = record_key<Q>(R, rec, j, a), x1 = record_key<Q>(R, rec, j, b);
+        if constexpr (Rotates) rotate_pair(x0, x1, first + L.sinks + static_cast<long long>(w) * W + j, S.inv_freq[i], +1);
+        numeric::store(P.element, slot, key_index(D, W, h, j, a), x0);
+        numeric::store(P.element, slot, key_index(D, W, h, j, b), x1);
+      }
+      for (int e = lane_id; e < W * D; e += 32) {
+        const int j = e / D, c = e % D;
+        numeric::store(P.element, slot, value_index(D, W, h, j, c), record_value<Q>(R, rec, j, c));
+      }
+    } else {
+      const token_reader rd{&P, region, src, task.source, 0};
+      for (int e = lane_id; e < W * D; e += 32) {
+        const int j = e / D, c = e % D;
+        numeric::store(P.element, slot, key_index(D, W, h, j, c), rd.key(w, j, h, c));
+        numeric::store(P.element, slot, value_index(D, W, h, j, c), rd.value(w, j, h, c));
+      }
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace qevict::kernels
