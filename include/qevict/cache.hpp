@@ -67,9 +67,15 @@ class cache {
   cache(const geometry& g, const budget& b, const limits& lim, const options& opt = {})
       : engine_(g, b, lim, opt, nullptr, 0) {}
 
-  template <kv_storage Storage>
+  /// Bytes in the engine's memory: one range (storage::external, or any contiguous_storage), at
+  /// least required_bytes(...) long, or one region per (sequence slot, layer) (storage::regions).
+  template <contiguous_storage Storage>
   cache(const geometry& g, const budget& b, const limits& lim, Storage storage, const options& opt = {})
-      : engine_(g, b, lim, opt, arena_of(storage), bytes_of(storage)) {}
+      : engine_(g, b, lim, opt, arena_of(storage), storage.size_bytes()) {}
+  cache(const geometry& g, const budget& b, const limits& lim, const storage::regions& storage, const options& opt = {})
+      : engine_(g, b, lim, opt, storage) {}
+  cache(const geometry& g, const budget& b, const limits& lim, storage::owned, const options& opt = {})
+      : engine_(g, b, lim, opt, nullptr, 0) {}
 
   /// Backends with run-time settings of their own (backend::cuda: its stream), owned arena or one
   /// contiguous range.
@@ -277,16 +283,8 @@ class cache {
  private:
   template <class Storage>
   static std::byte* arena_of(const Storage& s) {
-    if constexpr (std::same_as<Storage, storage::owned>) return nullptr;
-    else {
-      detail::require(s.data() != nullptr, "external storage: null pointer");
-      return static_cast<std::byte*>(s.data());
-    }
-  }
-  template <class Storage>
-  static std::size_t bytes_of(const Storage& s) {
-    if constexpr (std::same_as<Storage, storage::owned>) return 0;
-    else return s.size_bytes();
+    detail::require(s.data() != nullptr, "external storage: null pointer");
+    return static_cast<std::byte*>(s.data());
   }
 
   std::size_t kv_row() const { return static_cast<std::size_t>(engine_.geo().kv_heads) * engine_.geo().head_dim; }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <qevict/cache.hpp>
@@ -85,6 +86,69 @@ TEST_CASE("external storage gives results identical to owned storage") {
   const auto* p = reinterpret_cast<const unsigned char*>(arena.get());
   for (std::size_t i = 0; i < bytes; ++i) touched += p[i] != 0xA5;
   CHECK(touched > bytes / 4);
+}
+
+TEST_CASE("regions from an engine allocator give results identical to owned storage") {
+  using cache_t = qevict::cache<qevict::paper_config>;
+  const qevict::limits lim{.max_batch = 2, .max_tokens = 300};
+  const qevict::budget budget = qevict::budget::fraction(0.5).with_layer_shares({1.0, 1.5});
+  // A toy page allocator: one separately allocated, 16-byte aligned block per request.
+  std::vector<std::unique_ptr<std::max_align_t[]>> pages;
+  std::vector<std::size_t> sizes;
+  qevict::storage::regions from{[&](int, int, std::size_t bytes) -> void* {
+    pages.push_back(std::make_unique<std::max_align_t[]>(bytes / sizeof(std::max_align_t) + 1));
+    sizes.push_back(bytes);
+    return pages.back().get();
+  }};
+  cache_t owned(geo, budget, lim);
+  cache_t paged(geo, budget, lim, from);
+  REQUIRE(pages.size() == 4);  // max_batch × layers
+  CHECK(sizes[0] == owned.plan(0).region_bytes);
+  CHECK(sizes[1] == owned.plan(1).region_bytes);
+  CHECK(sizes[1] > sizes[0]);  // layer 1 has a larger share than layer 0
+  CHECK(sizes[0] + sizes[1] == cache_t::required_bytes(geo, budget, lim) / 2);
+  rng r(23);
+  std::vector<qevict::sequence_id> ids;
+  for (int n : {120, 30}) {
+    const qevict::sequence_id s = owned.add_sequence();
+    REQUIRE(paged.add_sequence() == s);
+    ids.push_back(s);
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto q = r.normals(n * qrow), k = r.normals(n * krow), v = r.normals(n * krow);
+      std::vector<float> oa(n * qrow), ob(n * qrow);
+      owned.prefill(l, s, q, k, v, oa);
+      paged.prefill(l, s, q, k, v, ob);
+      CHECK(oa == ob);
+    }
+  }
+  int differing_steps = 0;
+  for (int t = 0; t < 150; ++t)
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto k = r.normals(2 * krow), v = r.normals(2 * krow), q = r.normals(2 * qrow, 2.0f);
+      std::vector<float> oa(2 * qrow), ob(2 * qrow);
+      owned.append(l, ids, k, v);
+      paged.append(l, ids, k, v);
+      owned.attend(l, ids, q, oa);
+      paged.attend(l, ids, q, ob);
+      differing_steps += oa != ob;
+    }
+  CHECK(differing_steps == 0);
+  expect_same_state(owned, paged, ids);
+
+  // A provider that fails is refused at construction, with the region it failed on.
+  auto refuses = [&](qevict::storage::regions bad, const char* what) {
+    try {
+      cache_t kv(geo, budget, lim, bad);
+      FAIL("no error");
+    } catch (const qevict::error& e) {
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+  };
+  refuses(qevict::storage::regions{[](int, int, std::size_t) -> void* { return nullptr; }}, "provide(0, 0) returned null");
+  static std::max_align_t block[4096];
+  refuses(qevict::storage::regions{[](int, int, std::size_t) -> void* { return reinterpret_cast<char*>(block) + 8; }},
+          "is not 16-byte aligned");
+  refuses(qevict::storage::regions{}, "no provide function");
 }
 
 TEST_CASE("decaying_mass: each routing event halves every window's history") {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "qevict/concepts/storage.hpp"
 #include "qevict/core/layout.hpp"
 #include "qevict/core/report.hpp"
 #include "qevict/core/routing.hpp"
@@ -72,25 +73,60 @@ class host_cache {
  public:
   host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
              std::size_t external_bytes)
+      : host_cache(g, b, lim, opt, nullptr, 0, no_arena{}) {
+    // One arena (the cache's own, or the engine's range): the regions of one sequence lie back
+    // to back.
+    const std::size_t need = required_bytes();
+    std::byte* arena = external;
+    if (external != nullptr) {
+      detail::require(external_bytes >= need, "external storage of " + std::to_string(external_bytes) +
+                                                  " bytes is smaller than the " + std::to_string(need) + " bytes required");
+      detail::require(reinterpret_cast<std::uintptr_t>(external) % 16 == 0, "external storage must be 16-byte aligned");
+    } else {
+      owned_.resize(need);
+      arena = owned_.data();
+    }
+    for (int s = 0; s < lim.max_batch; ++s)
+      for (int l = 0; l < g.layers; ++l)
+        regions_.push_back(arena + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(l)]);
+    initialise();
+  }
+
+  /// Regions from the engine's allocator, one per (sequence slot, layer).
+  host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, const storage::regions& from)
+      : host_cache(g, b, lim, opt, nullptr, 0, no_arena{}) {
+    detail::require(static_cast<bool>(from.provide), "storage::regions: no provide function");
+    for (int s = 0; s < lim.max_batch; ++s)
+      for (int l = 0; l < g.layers; ++l) {
+        void* p = from.provide(s, l, plan(l).region_bytes);
+        detail::require(p != nullptr, "storage::regions: provide(" + std::to_string(s) + ", " + std::to_string(l) +
+                                          ") returned null");
+        detail::require(reinterpret_cast<std::uintptr_t>(p) % 16 == 0,
+                        "storage::regions: the region of slot " + std::to_string(s) + ", layer " + std::to_string(l) +
+                            " is not 16-byte aligned");
+        regions_.push_back(static_cast<std::byte*>(p));
+      }
+    initialise();
+  }
+
+ private:
+  struct no_arena {};
+  /// Plans only: the regions come later. Layers share everything but their budget
+  /// (budget::with_layer_shares): each gets its own capacities and region size.
+  host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte*, std::size_t, no_arena)
       : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim, 0)) {
-    // Layers share everything but their budget (budget::with_layer_shares): each gets its own
-    // capacities and region size; regions of one sequence lie back to back.
     for (int l = 0; l < g.layers; ++l) {
       plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
       layer_offset_.push_back(sequence_stride_);
       sequence_stride_ += plans_.back().region_bytes;
     }
     detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
-    const std::size_t need = required_bytes();
-    if (external != nullptr) {
-      detail::require(external_bytes >= need, "external storage of " + std::to_string(external_bytes) +
-                                                  " bytes is smaller than the " + std::to_string(need) + " bytes required");
-      detail::require(reinterpret_cast<std::uintptr_t>(external) % 16 == 0, "external storage must be 16-byte aligned");
-      arena_ = external;
-    } else {
-      owned_.resize(need);
-      arena_ = owned_.data();
-    }
+  }
+
+  /// Everything but the regions: lanes, sequences and scratch buffers.
+  void initialise() {
+    const geometry& g = geo_;
+    const limits& lim = lim_;
     inv_freq_ = rope::inverse_frequencies(g.rope, g.head_dim);
     lanes_.resize(static_cast<std::size_t>(lim.max_batch) * g.layers);
     for (std::size_t i = 0; i < lanes_.size(); ++i) {
@@ -123,6 +159,8 @@ class host_cache {
     window_values_.resize(window_floats);
     candidates_.resize(plan_.table_entries());
   }
+
+ public:
 
   // ---- sizes -------------------------------------------------------------------------------
   const region_plan& plan() const { return plan_; }
@@ -492,10 +530,10 @@ class host_cache {
     return lanes_[static_cast<std::size_t>(s) * geo_.layers + layer];
   }
   std::byte* region_of(sequence_id s, int layer) {
-    return arena_ + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
+    return regions_[static_cast<std::size_t>(s) * geo_.layers + layer];
   }
   const std::byte* region_of(sequence_id s, int layer) const {
-    return arena_ + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
+    return regions_[static_cast<std::size_t>(s) * geo_.layers + layer];
   }
   static window_record* table_of(std::byte* region) { return reinterpret_cast<window_record*>(region); }
   static const window_record* table_of(const std::byte* region) { return reinterpret_cast<const window_record*>(region); }
@@ -805,7 +843,7 @@ class host_cache {
   std::size_t sequence_stride_ = 0;
   std::vector<double> inv_freq_;
   std::vector<std::byte> owned_;
-  std::byte* arena_ = nullptr;
+  std::vector<std::byte*> regions_;  ///< one per (sequence slot, layer)
   std::vector<lane_state> lanes_;
   std::vector<sequence> sequences_;
   // Scratch, sized at construction.
