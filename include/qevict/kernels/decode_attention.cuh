@@ -45,7 +45,7 @@
 
 /// Resident CTAs per SM the decode kernel is compiled for (registers per thread follow from it).
 #ifndef QEVICT_DECODE_MIN_BLOCKS
-#define QEVICT_DECODE_MIN_BLOCKS 2
+#define QEVICT_DECODE_MIN_BLOCKS 3
 #endif
 
 namespace qevict::kernels {
@@ -228,10 +228,9 @@ constexpr int stages = QEVICT_DECODE_STAGES;
 template <int D>
 constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D>;
 
-/// Row of the e^{i j f_p} table: D/2 pairs plus 8 spare entries, so that rows j and j+1 start 64
-/// bytes apart modulo 128 (the four threads of a token read 64 contiguous bytes).
+/// Where a quantized item's e^{i t0 f_p} (D/2 float2) sits in its slot: behind the record.
 template <int D>
-constexpr int pair_row = D / 2 + 8;
+constexpr int cs_t0_offset = 16 * row_stride<D> - (D / 2) * 8;
 
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
@@ -312,10 +311,10 @@ __device__ __forceinline__ void score_item(const decode_layout& L, const item_vi
     x[s][2] = fmaf(__uint_as_float(sc1 << 16), k8, __uint_as_float(ze1 << 16));
     x[s][3] = fmaf(__uint_as_float(sc1 & 0xffff0000u), k9, __uint_as_float(ze1 & 0xffff0000u));
   }
-  // e^{i (t0 + g) f_p} = e^{i t0 f_p} e^{i g f_p}.
-  const float2* row = cs_j + g * pair_row<D>;
+  // e^{i (t0 + g) f_p} = e^{i t0 f_p} e^{i g f_p}; the second factor from the launch's table (L1).
+  const float2* row = cs_j + g * (D / 2);
   auto rot = [&](float& a, float& b, int p) {
-    const float2 u = cs_t0[p], v = row[p];
+    const float2 u = cs_t0[p], v = __ldg(row + p);
     const float cr = u.x * v.x - u.y * v.y, ci = u.y * v.x + u.x * v.y;
     const float a0 = a, b0 = b;
     a = a0 * cr - b0 * ci;
@@ -434,13 +433,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int G = L.group;
 
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
-  __shared__ float2 cs_j[8 * pair_row<D>];                  // e^{i j f_p}, j < 8
-  __shared__ float2 cs_t0[warps_per_cta][2][D / 2];          // e^{i t0 f_p} of the warp's two items
   __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ window_entry entries_s[max_items_per_chunk];   // this chunk's part of the window list
 
-  for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) cs_j[(e / (D / 2)) * pair_row<D> + e % (D / 2)] = A.cs_table[e];
   const int has_sink = L.sinks > 0 ? 1 : 0;
   const int first_entry = first_item - has_sink;  // entry index of local item 0
   for (int li = threadIdx.x; li < chunk_items; li += blockDim.x) {
@@ -494,25 +490,29 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     const int li_a = 2 * pair, li_b = 2 * pair + 1;
     const item_view ia = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_a, last, h);
     const item_view ib = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_b, last, h);
+    std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
+    std::uint8_t* s_b = s_a + item_bytes<D>;
+    // e^{i t0 f_p} of a quantized item, stored in its slot behind the record.
+    float2* cs_a = reinterpret_cast<float2*>(s_a + cs_t0_offset<D>);
+    float2* cs_b = reinterpret_cast<float2*>(s_b + cs_t0_offset<D>);
     if (ia.kind == 2 || ib.kind == 2) {
       for (int p = lane_id; p < D / 2; p += 32) {
+        const double f = A.inv_freq[p];
         float c, s;
-        if (ia.kind == 2) { thread::rope_cos_sin(ia.t0, A.inv_freq[p], c, s); cs_t0[warp_id][0][p] = make_float2(c, s); }
-        if (ib.kind == 2) { thread::rope_cos_sin(ib.t0, A.inv_freq[p], c, s); cs_t0[warp_id][1][p] = make_float2(c, s); }
+        if (ia.kind == 2) { thread::rope_cos_sin_approx(ia.t0, f, c, s); cs_a[p] = make_float2(c, s); }
+        if (ib.kind == 2) { thread::rope_cos_sin_approx(ib.t0, f, c, s); cs_b[p] = make_float2(c, s); }
       }
     }
     warp::cp_async_wait<stages - 1>();
     __syncwarp();
-    const std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
-    const std::uint8_t* s_b = s_a + item_bytes<D>;
 
     float sa[2], sb[2];
     {
       float c[4];
-      score_item<D, Bf16>(L, ia, s_a, g, t, lane_id, cs_j, cs_t0[warp_id][0], qa, c);
+      score_item<D, Bf16>(L, ia, s_a, g, t, lane_id, A.cs_table, cs_a, qa, c);
       sa[0] = 2 * t < ia.valid ? c[0] + c[2] : -INFINITY;
       sa[1] = 2 * t + 1 < ia.valid ? c[1] + c[3] : -INFINITY;
-      score_item<D, Bf16>(L, ib, s_b, g, t, lane_id, cs_j, cs_t0[warp_id][1], qa, c);
+      score_item<D, Bf16>(L, ib, s_b, g, t, lane_id, A.cs_table, cs_b, qa, c);
       sb[0] = 2 * t < ib.valid ? c[0] + c[2] : -INFINITY;
       sb[1] = 2 * t + 1 < ib.valid ? c[1] + c[3] : -INFINITY;
     }
@@ -704,6 +704,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
+  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::cs_t0_offset<D>),
+                          "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   static const bool smem_set = [] {
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass>,

@@ -25,3 +25,14 @@ __device__ __forceinline__ void rope_cos_sin(long long position, double inv_freq
 }
 
 }  // namespace qevict::kernels::thread
+
+namespace qevict::kernels::thread {
+
+/// cos and sin of position * inv_freq through the hardware sine/cosine on the reduced angle
+/// (|angle| <= pi, absolute error about 4e-7): for per-window rotations inside attention, where
+/// the full-precision sincosf costs more than the rest of the window's key work.
+__device__ __forceinline__ void rope_cos_sin_approx(long long position, double inv_freq, float& c, float& s) {
+  __sincosf(static_cast<float>(reduced_angle(position, inv_freq)), &s, &c);
+}
+
+}  // namespace qevict::kernels::thread
