@@ -148,10 +148,11 @@ __device__ __forceinline__ std::size_t value_index(int D, int C, int h, int slot
   return (static_cast<std::size_t>(2 * h + 1) * C + slot) * D + c;
 }
 
-/// Append: one block. Scans k and v, then stores one token per listed lane.
+/// Append: one block per listed lane. Every block scans all of k and v first (a few hundred KB
+/// from L2), so each decides alone, and identically, whether the call is bad.
 template <class Scorer, bool Rotates>
-__global__ void __launch_bounds__(1024) append_kernel(const cache_params P, const cache_pointers S, const lane_list list,
-                                                      const float* k, const float* v) {
+__global__ void __launch_bounds__(512) append_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+                                                     const float* k, const float* v) {
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
   const std::size_t row = static_cast<std::size_t>(H) * D;
@@ -159,46 +160,36 @@ __global__ void __launch_bounds__(1024) append_kernel(const cache_params P, cons
   scan_finite(v, list.n * row, S.error, 1, 2);
   __syncthreads();
   if (failed(S.error)) return;
+  const int b = blockIdx.x;
+  const int lane_index = list.lane[b];
+  const lane_state lane = S.lanes[lane_index];
+  const int t = lane.tokens;
+  std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  const bool sink = t < L.sinks;
+  void* base = region + (sink ? L.sink_offset : L.recent_offset);
+  const int C = sink ? L.sinks : L.recent_capacity;
+  const int slot = sink ? t : (t - L.sinks) % L.recent_capacity;
+  const float* kb = k + b * row;
+  const float* vb = v + b * row;
   // Keys: one thread per rotary pair.
-  const int pairs = H * D / 2;
-  for (int e = threadIdx.x; e < list.n * pairs; e += blockDim.x) {
-    const int b = e / pairs, hp = e % pairs, h = hp / (D / 2), i = hp % (D / 2);
-    const int lane_index = list.lane[b];
-    const lane_state lane = S.lanes[lane_index];
-    const int t = lane.tokens;
-    std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  for (int e = threadIdx.x; e < H * D / 2; e += blockDim.x) {
+    const int h = e / (D / 2), i = e % (D / 2);
     int a, bb;
     pair_members(L.layout, D, i, a, bb);
-    float x0 = k[b * row + static_cast<std::size_t>(h) * D + a], x1 = k[b * row + static_cast<std::size_t>(h) * D + bb];
+    float x0 = kb[static_cast<std::size_t>(h) * D + a], x1 = kb[static_cast<std::size_t>(h) * D + bb];
     if constexpr (Rotates) rotate_pair(x0, x1, lane.first_position + t, S.inv_freq[i], +1);
-    const bool sink = t < L.sinks;
-    void* base = region + (sink ? L.sink_offset : L.recent_offset);
-    const int C = sink ? L.sinks : L.recent_capacity;
-    const int slot = sink ? t : (t - L.sinks) % L.recent_capacity;
     numeric::store(P.element, base, key_index(D, C, h, slot, a), x0);
     numeric::store(P.element, base, key_index(D, C, h, slot, bb), x1);
   }
-  for (int e = threadIdx.x; e < list.n * H * D; e += blockDim.x) {
-    const int b = e / (H * D), h = (e / D) % H, c = e % D;
-    const int lane_index = list.lane[b];
-    const int t = S.lanes[lane_index].tokens;
-    std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
-    const bool sink = t < L.sinks;
-    void* base = region + (sink ? L.sink_offset : L.recent_offset);
-    const int C = sink ? L.sinks : L.recent_capacity;
-    const int slot = sink ? t : (t - L.sinks) % L.recent_capacity;
-    numeric::store(P.element, base, value_index(D, C, h, slot, c), v[b * row + static_cast<std::size_t>(h) * D + c]);
-  }
+  for (int e = threadIdx.x; e < H * D; e += blockDim.x)
+    numeric::store(P.element, base, value_index(D, C, e / D, slot, e % D), vb[e]);
   __syncthreads();  // every thread has read lanes[].tokens
-  for (int b = threadIdx.x; b < list.n; b += blockDim.x) {
-    lane_state& lane = S.lanes[list.lane[b]];
-    const int t = lane.tokens;
+  if (threadIdx.x == 0) {
     if (t >= L.sinks && (t - L.sinks) % L.window == 0) {  // first token of a new window
       const int w = (t - L.sinks) / L.window;
-      window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(list.lane[b]) * L.region_bytes);
-      table[w].score = Scorer::initial_score(w);
+      reinterpret_cast<window_record*>(region)[w].score = Scorer::initial_score(w);
     }
-    lane.tokens = t + 1;
+    S.lanes[lane_index].tokens = t + 1;
   }
 }
 

@@ -16,6 +16,11 @@
 // scorers whose token signal is the attention probability (or none); bf16 or f16 elements,
 // head_dim 64 or 128, GQA groups up to 8. Anything else fails at compile time (policies) or at
 // construction (geometry).
+//
+// CUDA graphs: the kernels read token counts, positions and window lists from the device, so a
+// captured decode step replays correctly on the device. The host mirrors advance with calls only,
+// so an engine that replays a captured step must not mix replays with direct calls of the same
+// lanes (the mirrors would lag behind the device).
 
 #include <cuda_runtime.h>
 
@@ -105,6 +110,8 @@ class cuda_cache {
                     "backend::cuda: the element type must be bf16 or f16");
     detail::require(g.head_dim == 64 || g.head_dim == 128, "backend::cuda: head_dim must be 64 or 128");
     detail::require(g.q_heads / g.kv_heads <= 8, "backend::cuda: the GQA group (q_heads / kv_heads) must be at most 8");
+    detail::require(g.layers <= kernels::lane_list::capacity,
+                    "backend::cuda: at most " + std::to_string(kernels::lane_list::capacity) + " layers");
     detail::require(lim.max_batch <= kernels::lane_list::capacity,
                     "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
     detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
@@ -276,7 +283,7 @@ class cuda_cache {
       if (recent_full(mirror_of(seqs[b], layer))) due.lane[due.n++] = list.lane[b];
     }
     if (due.n > 0) launch_route(due, kernels::route_source{}, 0);
-    kernels::detail::append_kernel<scorer, rotates><<<1, 1024, 0, set_.stream>>>(P_, S_, list, k, v);
+    kernels::detail::append_kernel<scorer, rotates><<<static_cast<unsigned>(list.n), 512, 0, set_.stream>>>(P_, S_, list, k, v);
     QEVICT_CUDA_CHECK_LAUNCH("append_kernel");
     for (std::size_t b = 0; b < seqs.size(); ++b) ++mirrors_[static_cast<std::size_t>(list.lane[b])].tokens;
   }
