@@ -275,7 +275,7 @@ class host_cache {
     const int aged_after = aged_windows_for(n);
     for (int i = 0; i < n; ++i) {
       if (i < plan_.sinks || i >= plan_.sinks + aged_after * plan_.window)
-        store_token(region, lane, i, &prefill_keys_[i * krow], &v[i * krow]);
+        store_token(region, i, &prefill_keys_[i * krow], &v[i * krow]);
     }
     route_lane(s, layer, [&](int w, int u, float* kw, float* vw) {
       const int hu = plan_.heads_per_unit;
@@ -299,7 +299,7 @@ class host_cache {
       rope::rotate(geo_.rope.layout, inv_freq_.data(), d, &window_keys_[static_cast<std::size_t>(h) * d],
                    first_position(s) + lane.tokens);
     std::byte* region = region_of(s, layer);
-    store_token(region, lane, lane.tokens, window_keys_.data(), v);
+    store_token(region, lane.tokens, window_keys_.data(), v);
     const int i = lane.tokens;
     if (i >= plan_.sinks && (i - plan_.sinks) % plan_.window == 0) {  // first token of a new window
       const int w = (i - plan_.sinks) / plan_.window;
@@ -605,7 +605,7 @@ class host_cache {
   }
 
   /// Stores token i (post-RoPE key, value; [kv_heads][head_dim]) in the sinks or the recent ring.
-  void store_token(std::byte* region, const lane_state&, int i, const float* k_post, const float* v) {
+  void store_token(std::byte* region, int i, const float* k_post, const float* v) {
     const int d = geo_.head_dim;
     const block b = i < plan_.sinks ? sink_block(region) : recent_block(region);
     const int slot = i < plan_.sinks ? i : (i - plan_.sinks) % plan_.recent_capacity;
