@@ -2,10 +2,9 @@
 // qevict::cache — the integrator's entry point.
 //
 //   using cfg = qevict::config<>;   // the paper's policies; see config.hpp
-//   qevict::cache<cfg> kv(geometry, qevict::budget::fraction(0.20), qevict::limits{.max_batch = 8, .max_tokens = 32768});
-//   auto seq = kv.add_sequence();
-//   for each layer: kv.prefill(layer, seq, q, k, v, out);          // whole prompt, pre-RoPE q/k
-//   each decode step, for each layer:
+//   qevict::cache<cfg> kv(geometry, qevict::budget::fraction(0.20), qevict::limits{.max_batch = 8, .max_tokens =
+//   32768}); auto seq = kv.add_sequence(); for each layer: kv.prefill(layer, seq, q, k, v, out);          // whole
+//   prompt, pre-RoPE q/k each decode step, for each layer:
 //     kv.append(layer, seqs, k, v);                                  // new tokens, pre-RoPE keys
 //     kv.attend(layer, seqs, q, out);                                // routes itself every Ω steps
 //   kv.report().to_string();                                         // every byte term
@@ -41,19 +40,25 @@ class cache {
   static_assert(quantizer_policy<typename Config::quantizer>,
                 "qevict::cache: Config::quantizer does not model qevict::quantizer_policy "
                 "(needs bits, layout(tokens, heads, dim), quantize, dequantize_key, dequantize_value)");
-  static_assert(window_policy<typename Config::window_policy>,
-                "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");
-  static_assert(allocator_policy<typename Config::allocator>,
-                "qevict::cache: Config::allocator does not model qevict::allocator_policy "
-                "(needs name, keeps_everything, capacities split(hist, M_f, M_q, units) and bytes_to_keep_all(units, M_f, M_q))");
+  static_assert(
+      window_policy<typename Config::window_policy>,
+      "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");
+  static_assert(
+      allocator_policy<typename Config::allocator>,
+      "qevict::cache: Config::allocator does not model qevict::allocator_policy "
+      "(needs name, keeps_everything, capacities split(hist, M_f, M_q, units) and bytes_to_keep_all(units, M_f, M_q))");
   static_assert(routing_policy<typename Config::routing_policy>,
-                "qevict::cache: Config::routing_policy does not model qevict::routing_policy (needs name, rerank_after_first_event)");
-  static_assert(selection_policy<typename Config::selection_policy>,
-                "qevict::cache: Config::selection_policy does not model qevict::selection_policy (needs name, splits_heads)");
-  static_assert(full_tier_policy<typename Config::full_tier_policy>,
-                "qevict::cache: Config::full_tier_policy does not model qevict::full_tier_policy (needs name, quantized)");
-  static_assert(rope_policy<typename Config::rope>,
-                "qevict::cache: Config::rope does not model qevict::rope_policy (needs rotates, inverse_frequencies, rotate)");
+                "qevict::cache: Config::routing_policy does not model qevict::routing_policy (needs name, "
+                "rerank_after_first_event)");
+  static_assert(
+      selection_policy<typename Config::selection_policy>,
+      "qevict::cache: Config::selection_policy does not model qevict::selection_policy (needs name, splits_heads)");
+  static_assert(
+      full_tier_policy<typename Config::full_tier_policy>,
+      "qevict::cache: Config::full_tier_policy does not model qevict::full_tier_policy (needs name, quantized)");
+  static_assert(
+      rope_policy<typename Config::rope>,
+      "qevict::cache: Config::rope does not model qevict::rope_policy (needs rotates, inverse_frequencies, rotate)");
 
   using engine_type = typename Backend::template engine<Config>;
   /// Backends whose inputs are device pointers (backend::cuda) check finiteness on the device and
@@ -80,11 +85,15 @@ class cache {
   /// Backends with run-time settings of their own (backend::cuda: its stream), owned arena or one
   /// contiguous range.
   template <class B = Backend>
-    requires requires { typename B::settings; }
+  requires requires { typename B::settings; }
   cache(const geometry& g, const budget& b, const limits& lim, const typename B::settings& set, const options& opt = {})
       : engine_(g, b, lim, opt, nullptr, 0, set) {}
   template <class Storage, class B = Backend>
-    requires requires(const Storage& s) { typename B::settings; s.data(); s.size_bytes(); }
+  requires requires(const Storage& s) {
+    typename B::settings;
+    s.data();
+    s.size_bytes();
+  }
   cache(const geometry& g, const budget& b, const limits& lim, Storage storage, const typename B::settings& set,
         const options& opt = {})
       : engine_(g, b, lim, opt, arena_of(storage), storage.size_bytes(), set) {}
@@ -108,7 +117,7 @@ class cache {
   // ---- sequences ---------------------------------------------------------------------------
   /// Starts a sequence whose first token sits at `first_position`.
   sequence_id add_sequence(long long first_position = 0) {
-    detail::require(first_position >= 0, "add_sequence: first_position must be >= 0");
+    detail::require(first_position >= 0, [&] { return "add_sequence: first_position must be >= 0"; });
     return engine_.add_sequence(first_position);
   }
   /// Frees a sequence's slot; the other sequences are untouched.
@@ -137,26 +146,31 @@ class cache {
     check_layer(call, layer);
     check_sequence(call, s);
     const std::size_t krow = kv_row(), qrow = q_row();
-    detail::require(!k.empty() && k.size() % krow == 0,
-                    std::string(call) + ": k has " + std::to_string(k.size()) + " floats, not a positive multiple of kv_heads*head_dim = " +
-                        std::to_string(krow));
+    detail::require(!k.empty() && k.size() % krow == 0, [&] {
+      return std::string(call) + ": k has " + std::to_string(k.size()) +
+             " floats, not a positive multiple of kv_heads*head_dim = " + std::to_string(krow);
+    });
     const std::size_t n = k.size() / krow;
     check_size(call, "v", v.size(), n * krow);
     if (out.empty()) {
-      detail::require(!q.empty() && q.size() % qrow == 0 && q.size() <= n * qrow,
-                      std::string(call) + ": q has " + std::to_string(q.size()) +
-                          " floats; without out it must hold the queries of 1 to " + std::to_string(n) +
-                          " last prompt tokens (multiples of q_heads*head_dim = " + std::to_string(qrow) + ")");
+      detail::require(!q.empty() && q.size() % qrow == 0 && q.size() <= n * qrow, [&] {
+        return std::string(call) + ": q has " + std::to_string(q.size()) +
+               " floats; without out it must hold the queries of 1 to " + std::to_string(n) +
+               " last prompt tokens (multiples of q_heads*head_dim = " + std::to_string(qrow) + ")";
+      });
     } else {
       check_size(call, "q", q.size(), n * qrow);
       check_size(call, "out", out.size(), n * qrow);
     }
-    detail::require(engine_.tokens(s, layer) == 0, std::string(call) + ": sequence " + std::to_string(s) + " already holds " +
-                                                       std::to_string(engine_.tokens(s, layer)) + " tokens in layer " +
-                                                       std::to_string(layer) + "; use append() to extend it");
-    detail::require(n <= static_cast<std::size_t>(engine_.plan().max_tokens),
-                    std::string(call) + ": prompt of " + std::to_string(n) + " tokens exceeds limits::max_tokens = " +
-                        std::to_string(engine_.plan().max_tokens));
+    detail::require(engine_.tokens(s, layer) == 0, [&] {
+      return std::string(call) + ": sequence " + std::to_string(s) + " already holds " +
+             std::to_string(engine_.tokens(s, layer)) + " tokens in layer " + std::to_string(layer) +
+             "; use append() to extend it";
+    });
+    detail::require(n <= static_cast<std::size_t>(engine_.plan().max_tokens), [&] {
+      return std::string(call) + ": prompt of " + std::to_string(n) +
+             " tokens exceeds limits::max_tokens = " + std::to_string(engine_.plan().max_tokens);
+    });
     if constexpr (!inputs_on_device) {
       check_finite(call, "q", q);
       check_finite(call, "k", k);
@@ -175,26 +189,30 @@ class cache {
     check_batch(call, layer, seqs);
     check_size(call, "k", k.size(), seqs.size() * kv_row());
     check_size(call, "v", v.size(), seqs.size() * kv_row());
-    detail::require(positions.empty() || positions.size() == seqs.size(),
-                    std::string(call) + ": positions has " + std::to_string(positions.size()) + " entries for " +
-                        std::to_string(seqs.size()) + " sequences");
+    detail::require(positions.empty() || positions.size() == seqs.size(), [&] {
+      return std::string(call) + ": positions has " + std::to_string(positions.size()) + " entries for " +
+             std::to_string(seqs.size()) + " sequences";
+    });
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const sequence_id s = seqs[b];
       const int n = engine_.tokens(s, layer);
-      detail::require(n < engine_.plan().max_tokens, std::string(call) + ": sequence " + std::to_string(s) +
-                                                         " reached limits::max_tokens = " +
-                                                         std::to_string(engine_.plan().max_tokens) + " in layer " +
-                                                         std::to_string(layer));
+      detail::require(n < engine_.plan().max_tokens, [&] {
+        return std::string(call) + ": sequence " + std::to_string(s) +
+               " reached limits::max_tokens = " + std::to_string(engine_.plan().max_tokens) + " in layer " +
+               std::to_string(layer);
+      });
       if (!positions.empty()) {
         const long long expected = engine_.first_position(s) + n;
-        detail::require(positions[b] == expected,
-                        std::string(call) + ": position " + std::to_string(positions[b]) + " of sequence " + std::to_string(s) +
-                            " in layer " + std::to_string(layer) + " is not the next position " + std::to_string(expected) +
-                            " (positions must increase by one per token)");
+        detail::require(positions[b] == expected, [&] {
+          return std::string(call) + ": position " + std::to_string(positions[b]) + " of sequence " +
+                 std::to_string(s) + " in layer " + std::to_string(layer) + " is not the next position " +
+                 std::to_string(expected) + " (positions must increase by one per token)";
+        });
       }
-      detail::require(options_routing() == routing_mode::automatic || !engine_.recent_full(s, layer),
-                      std::string(call) + ": the recent region of sequence " + std::to_string(s) + " in layer " +
-                          std::to_string(layer) + " is full; with routing_mode::manual call route() first");
+      detail::require(options_routing() == routing_mode::automatic || !engine_.recent_full(s, layer), [&] {
+        return std::string(call) + ": the recent region of sequence " + std::to_string(s) + " in layer " +
+               std::to_string(layer) + " is full; with routing_mode::manual call route() first";
+      });
     }
     if constexpr (inputs_on_device) {
       engine_.append_batch(layer, seqs, k.data(), v.data());
@@ -218,9 +236,10 @@ class cache {
     check_size(call, "q", q.size(), seqs.size() * q_row());
     check_size(call, "out", out.size(), seqs.size() * q_row());
     for (sequence_id s : seqs)
-      detail::require(engine_.tokens(s, layer) > 0, std::string(call) + ": sequence " + std::to_string(s) +
-                                                        " has no tokens in layer " + std::to_string(layer) +
-                                                        "; append() its token first");
+      detail::require(engine_.tokens(s, layer) > 0, [&] {
+        return std::string(call) + ": sequence " + std::to_string(s) + " has no tokens in layer " +
+               std::to_string(layer) + "; append() its token first";
+      });
     if constexpr (inputs_on_device) {
       static_assert(std::is_same_v<std::remove_cvref_t<Observer>, no_observer>,
                     "qevict::cache::attend: per-token observers need the host backend");
@@ -276,14 +295,14 @@ class cache {
   /// Overrides window w's cumulative score (external importance signals, experiments).
   void set_score(sequence_id s, int layer, int w, float score) {
     check_window("set_score", s, layer, w);
-    detail::require(numeric::is_finite(score), "set_score: score must be finite");
+    detail::require(numeric::is_finite(score), [&] { return "set_score: score must be finite"; });
     engine_.set_score(s, layer, w, score);
   }
 
  private:
   template <class Storage>
   static std::byte* arena_of(const Storage& s) {
-    detail::require(s.data() != nullptr, "external storage: null pointer");
+    detail::require(s.data() != nullptr, [&] { return "external storage: null pointer"; });
     return static_cast<std::byte*>(s.data());
   }
 
@@ -293,38 +312,46 @@ class cache {
   routing_mode options_routing() const { return engine_.opts().routing; }
 
   void check_layer(const char* call, int layer) const {
-    detail::require(layer >= 0 && layer < engine_.geo().layers,
-                    std::string(call) + ": layer " + std::to_string(layer) + " is out of range [0, " +
-                        std::to_string(engine_.geo().layers) + ")");
+    detail::require(layer >= 0 && layer < engine_.geo().layers, [&] {
+      return std::string(call) + ": layer " + std::to_string(layer) + " is out of range [0, " +
+             std::to_string(engine_.geo().layers) + ")";
+    });
   }
   void check_sequence(const char* call, sequence_id s) const {
-    detail::require(engine_.is_active(s), std::string(call) + ": sequence " + std::to_string(s) + " is not in the cache");
+    detail::require(engine_.is_active(s),
+                    [&] { return std::string(call) + ": sequence " + std::to_string(s) + " is not in the cache"; });
   }
   void check_window(const char* call, sequence_id s, int layer, int w) const {
     check_sequence(call, s);
     check_layer(call, layer);
-    detail::require(w >= 0 && w < engine_.windows_started(engine_.tokens(s, layer)),
-                    std::string(call) + ": window " + std::to_string(w) + " does not exist in sequence " +
-                        std::to_string(s) + ", layer " + std::to_string(layer));
+    detail::require(w >= 0 && w < engine_.windows_started(engine_.tokens(s, layer)), [&] {
+      return std::string(call) + ": window " + std::to_string(w) + " does not exist in sequence " + std::to_string(s) +
+             ", layer " + std::to_string(layer);
+    });
   }
   void check_batch(const char* call, int layer, std::span<const sequence_id> seqs) const {
     check_layer(call, layer);
-    detail::require(!seqs.empty(), std::string(call) + ": the batch lists no sequence");
+    detail::require(!seqs.empty(), [&] { return std::string(call) + ": the batch lists no sequence"; });
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       check_sequence(call, seqs[i]);
       for (std::size_t j = 0; j < i; ++j)
-        detail::require(seqs[j] != seqs[i], std::string(call) + ": sequence " + std::to_string(seqs[i]) +
-                                                " is listed twice in one batch");
+        detail::require(seqs[j] != seqs[i], [&] {
+          return std::string(call) + ": sequence " + std::to_string(seqs[i]) + " is listed twice in one batch";
+        });
     }
   }
   static void check_size(const char* call, const char* what, std::size_t got, std::size_t want) {
-    detail::require(got == want, std::string(call) + ": " + what + " has " + std::to_string(got) + " floats, expected " +
-                                     std::to_string(want));
+    detail::require(got == want, [&] {
+      return std::string(call) + ": " + what + " has " + std::to_string(got) + " floats, expected " +
+             std::to_string(want);
+    });
   }
   static void check_finite(const char* call, const char* what, std::span<const float> x) {
     for (std::size_t i = 0; i < x.size(); ++i)
-      detail::require(numeric::is_finite(x[i]), std::string(call) + ": " + what + "[" + std::to_string(i) + "] is " +
-                                                    (x[i] != x[i] ? "NaN" : "infinite") + "; the cache is unchanged");
+      detail::require(numeric::is_finite(x[i]), [&] {
+        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] is " +
+               (x[i] != x[i] ? "NaN" : "infinite") + "; the cache is unchanged";
+      });
   }
 
   engine_type engine_;

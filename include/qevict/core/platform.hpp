@@ -23,5 +23,11 @@ namespace detail {
 inline void require(bool ok, const std::string& message) {
   if (!ok) throw error(message);
 }
+/// The form for hot paths: the message is only built when the check fails.
+template <class MakeMessage>
+  requires requires(MakeMessage f) { std::string(f()); }
+inline void require(bool ok, MakeMessage&& make_message) {
+  if (!ok) throw error(std::string(make_message()));
+}
 }  // namespace detail
 }  // namespace qevict
