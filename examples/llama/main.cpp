@@ -29,7 +29,7 @@ struct options {
     std::filesystem::path data_dir = QEVICT_DATA_DIR;
     std::optional<std::filesystem::path> model;
     std::string prompt;
-    std::size_t new_tokens = 400;
+    std::size_t new_tokens = 1000;
     double budget = 0.20;
     std::size_t max_tokens = 0;  // 0: prompt + new tokens
 };
@@ -44,7 +44,7 @@ constexpr int usage_error = 2;
 void print_help() {
     std::cout << "usage: qevict_demo [options]\n"
                  "  --prompt TEXT     text to continue (default: start from BOS alone)\n"
-                 "  --tokens N        tokens to generate (default 400)\n"
+                 "  --tokens N        tokens to generate (default 1000)\n"
                  "  --budget F        qevict byte budget, a fraction of the full-precision cache of\n"
                  "                    --max-tokens tokens (default 0.20)\n"
                  "  --max-tokens N    most tokens the sequence may hold, prompt included\n"
