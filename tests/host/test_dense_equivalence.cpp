@@ -46,24 +46,8 @@ void check_dense(const dense_case& c, qevict::budget budget, std::uint64_t seed)
     ids.push_back(add_sequence(kv, hs, first[i]));
     CHECK(prefill_random(kv, hs, ids.back(), prompts[i], r, 2.0f) <= 1e-5);
   }
-  const std::size_t qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
-  double worst = 0.0;
-  for (int t = 0; t < steps; ++t) {
-    // Ragged batch: each sequence sits out some steps, and the order changes.
-    std::vector<qevict::sequence_id> batch;
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      if ((t + static_cast<int>(i)) % 4 != 0) batch.push_back(ids[i]);
-    if (t % 2) std::reverse(batch.begin(), batch.end());
-    std::vector<std::vector<float>> queries;
-    const auto outs = decode_random(kv, hs, batch, r, &queries, qevict::no_observer{}, 2.0f);
-    for (int l = 0; l < g.layers; ++l)
-      for (std::size_t b = 0; b < batch.size(); ++b) {
-        const history& h = hs.at(batch[b], l);
-        std::vector<double> ref;
-        dense_attend(h, g.q_heads, rope_of(g), &queries[l][b * qrow], h.size(), ref);
-        worst = std::max(worst, relative_error(std::span<const float>(&outs[l][b * qrow], qrow), ref));
-      }
-  }
+  // Ragged batch: each sequence sits out some steps, and the order changes.
+  const double worst = worst_decode_error_vs_dense(kv, hs, ids, steps, r, /*shuffle=*/true);
   CHECK(worst <= 1e-5);
   // Every window that aged out of the recent region is Full; nothing was quantized or evicted.
   std::size_t aged_full = 0;

@@ -326,22 +326,7 @@ TEST_CASE("full_kv with budget::everything() is dense double-precision attention
     ids.push_back(add_sequence(kv, hs, static_cast<long long>(100 * i)));
     CHECK(prefill_random(kv, hs, ids.back(), prompts[i], r, 2.0f) <= 1e-5);
   }
-  const std::size_t qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
-  double worst = 0.0;
-  for (int t = 0; t < 150; ++t) {
-    std::vector<qevict::sequence_id> batch;
-    for (std::size_t i = 0; i < ids.size(); ++i)
-      if ((t + static_cast<int>(i)) % 4 != 0) batch.push_back(ids[i]);
-    std::vector<std::vector<float>> queries;
-    const auto outs = decode_random(kv, hs, batch, r, &queries, qevict::no_observer{}, 2.0f);
-    for (int l = 0; l < g.layers; ++l)
-      for (std::size_t b = 0; b < batch.size(); ++b) {
-        const history& h = hs.at(batch[b], l);
-        std::vector<double> ref;
-        dense_attend(h, g.q_heads, rope_of(g), &queries[l][b * qrow], h.size(), ref);
-        worst = std::max(worst, relative_error(std::span<const float>(&outs[l][b * qrow], qrow), ref));
-      }
-  }
+  const double worst = worst_decode_error_vs_dense(kv, hs, ids, 150, r, /*shuffle=*/false);
   CHECK(worst <= 1e-5);
   std::size_t full = 0;
   for (qevict::sequence_id s : ids)

@@ -2,6 +2,7 @@
 // Drives a qevict::cache and a dense reference side by side: random pre-RoPE q/k/v per
 // (sequence, layer), prefill and ragged decode batches, and the histories the reference needs.
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -74,6 +75,34 @@ std::vector<std::vector<float>> decode_random(Cache& kv, histories& hs, std::spa
     if (queries) (*queries)[l] = q;
   }
   return outs;
+}
+
+/// `steps` decode steps over a ragged batch drawn from `ids` (each sequence sits out every fourth
+/// step; with `shuffle`, odd steps list them in reverse order), each output compared with a
+/// double-precision dense attention over the sequence's whole history. Returns the worst
+/// relative error.
+template <class Cache>
+double worst_decode_error_vs_dense(Cache& kv, histories& hs, const std::vector<qevict::sequence_id>& ids, int steps,
+                                   rng& r, bool shuffle) {
+  const qevict::geometry& g = kv.geo();
+  const std::size_t qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
+  double worst = 0.0;
+  for (int t = 0; t < steps; ++t) {
+    std::vector<qevict::sequence_id> batch;
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if ((t + static_cast<int>(i)) % 4 != 0) batch.push_back(ids[i]);
+    if (shuffle && t % 2) std::reverse(batch.begin(), batch.end());
+    std::vector<std::vector<float>> queries;
+    const auto outs = decode_random(kv, hs, batch, r, &queries, qevict::no_observer{}, 2.0f);
+    for (int l = 0; l < g.layers; ++l)
+      for (std::size_t b = 0; b < batch.size(); ++b) {
+        const history& h = hs.at(batch[b], l);
+        std::vector<double> ref;
+        dense_attend(h, g.q_heads, rope_of(g), &queries[l][b * qrow], h.size(), ref);
+        worst = std::max(worst, relative_error(std::span<const float>(&outs[l][b * qrow], qrow), ref));
+      }
+  }
+  return worst;
 }
 
 }  // namespace qevict_test
