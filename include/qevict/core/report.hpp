@@ -33,6 +33,23 @@ struct layer_report {
   tier_counts counts;
 };
 
+/// Adds one (sequence, layer) with tier counts `c` and `tokens` tokens to its layer's report:
+/// what it holds by term, what its region reserves, its budget, and what an uncompressed cache
+/// would hold for the same tokens. Every backend builds its report with this.
+inline void add_lane(layer_report& lr, const region_plan& p, const tier_counts& c, int tokens) {
+  lr.counts += c;
+  lr.used.sink += c.sink_tokens * p.token_bytes;
+  lr.used.recent += c.recent_tokens * p.token_bytes;
+  lr.used.full += c.full * p.full_window_bytes;
+  lr.used.quantized_codes += c.quantized * p.record.code_bytes();
+  lr.used.quantized_metadata += c.quantized * p.record.metadata_bytes();
+  lr.used.ledger_copies += c.ledger_copies * p.quantized_window_bytes();
+  lr.used.tables += p.table_bytes();
+  lr.reserved += p.reserved();
+  lr.budget_bytes += p.budget_bytes;
+  lr.full_cache_bytes += static_cast<std::size_t>(tokens) * p.token_bytes;
+}
+
 struct budget_report {
   std::vector<layer_report> layers;
   std::size_t sequences = 0;

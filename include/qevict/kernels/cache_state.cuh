@@ -131,13 +131,7 @@ __device__ __forceinline__ void rotate_pair(float& x0, float& x1, long long posi
 }
 
 __device__ __forceinline__ void pair_members(rope_layout layout, int head_dim, int i, int& a, int& b) {
-  if (layout == rope_layout::interleaved) {
-    a = 2 * i;
-    b = 2 * i + 1;
-  } else {
-    a = i;
-    b = i + head_dim / 2;
-  }
+  ::qevict::rope::rotary::pair(layout, head_dim, i, a, b);  // the host's pairing, one definition
 }
 
 /// Index of key (h, slot, c) in a token block of capacity C: [heads][keys C | values C][head_dim].

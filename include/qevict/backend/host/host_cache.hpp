@@ -421,19 +421,8 @@ class host_cache {
       if (!sequences_[s].active) continue;
       ++r.sequences;
       for (int l = 0; l < geo_.layers; ++l) {
-        layer_report& lr = r.layers[static_cast<std::size_t>(l)];
-        const tier_counts c = counts(static_cast<sequence_id>(s), l);
-        lr.counts += c;
-        lr.used.sink += c.sink_tokens * plan_.token_bytes;
-        lr.used.recent += c.recent_tokens * plan_.token_bytes;
-        lr.used.full += c.full * plan_.full_window_bytes;
-        lr.used.quantized_codes += c.quantized * plan_.record.code_bytes();
-        lr.used.quantized_metadata += c.quantized * plan_.record.metadata_bytes();
-        lr.used.ledger_copies += c.ledger_copies * plan_.quantized_window_bytes();
-        lr.used.tables += plan_.table_bytes();
-        lr.reserved += plan(l).reserved();
-        lr.budget_bytes += plan(l).budget_bytes;
-        lr.full_cache_bytes += static_cast<std::size_t>(lane_of(static_cast<sequence_id>(s), l).tokens) * plan_.token_bytes;
+        add_lane(r.layers[static_cast<std::size_t>(l)], plan(l), counts(static_cast<sequence_id>(s), l),
+                 lane_of(static_cast<sequence_id>(s), l).tokens);
       }
     }
     return r;
