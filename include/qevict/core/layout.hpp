@@ -82,6 +82,10 @@ struct region_plan {
   /// 16 bytes at a time); the padding is counted here, in the tables term.
   constexpr std::size_t table_bytes() const { return (table_entries() * sizeof(window_record) + 15u) & ~std::size_t{15}; }
   constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
+  /// Windows that hold at least one of `tokens` tokens (complete or not).
+  constexpr int windows_started(int tokens) const {
+    return tokens > sinks ? (tokens - sinks + window - 1) / window : 0;
+  }
 
   /// What the region reserves, by term (ledger copies share the quantized pool).
   byte_terms reserved() const {

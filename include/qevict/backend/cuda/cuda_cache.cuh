@@ -476,9 +476,7 @@ class cuda_cache {
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
   }
 
-  int windows_started(int tokens) const {
-    return tokens > plan_.sinks ? (tokens - plan_.sinks + plan_.window - 1) / plan_.window : 0;
-  }
+  int windows_started(int tokens) const { return plan_.windows_started(tokens); }
   int aged(sequence_id s, int layer) const { return mirror_of(s, layer).aged; }
 
  private:

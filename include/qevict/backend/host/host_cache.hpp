@@ -474,9 +474,7 @@ class host_cache {
       if (unit < 0 || unit == u) table[w * plan_.units + u].score = score;
   }
 
-  int windows_started(int tokens) const {
-    return tokens > plan_.sinks ? (tokens - plan_.sinks + plan_.window - 1) / plan_.window : 0;
-  }
+  int windows_started(int tokens) const { return plan_.windows_started(tokens); }
   int aged(sequence_id s, int layer) const { return lane_of(s, layer).aged; }
 
  private:
