@@ -40,7 +40,7 @@ struct lane_extra {
   int steps = 0;               ///< attends since the last routing event
   int free_full = 0;           ///< entries on the lane's stack of free Full slots
   int free_ledger = 0;         ///< entries on the lane's stack of free ledger slots
-  int pad = 0;
+  int routed = 0;              ///< 1 once the lane had a routing event (a frozen selection then holds)
 };
 
 /// One data movement of a routing event (one window, all KV heads).

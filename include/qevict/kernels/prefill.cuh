@@ -1,9 +1,10 @@
 #pragma once
 // Prefill on the device: RoPE of the prompt's keys and queries, exact causal attention (a plain
 // warp-per-key kernel with an online softmax; the prompt is attended once), the observation
-// window's window masses, the initial scores (the scorer's aggregation and pooling) and the
-// placement of the sinks and the recent tokens. The first routing event follows (routing.cuh),
-// with the prefill's buffers as the source of the windows that age.
+// window's window masses, the initial scores (the scorer's aggregation and pooling, the functions
+// of policies/scorers.hpp that the host calls too) and the placement of the sinks and the recent
+// tokens. The first routing event follows (routing.cuh), with the prefill's buffers as the source
+// of the windows that age.
 
 #include <cuda_runtime.h>
 
@@ -100,11 +101,24 @@ __global__ void __launch_bounds__(128) prefill_attention_kernel(const cache_para
   }
 }
 
-/// Initial scores from the observation masses; sinks and recent tokens into their blocks; the
-/// lane's token count.
+/// The scorer's aggregation of the observation queries, one thread per window: row o of qmass
+/// ([observers][started]) holds query o's window masses; row 0 receives their aggregate.
+template <class Scorer>
+__global__ void prefill_aggregate_kernel(const cache_pointers S, double* qmass, int observers, int started) {
+  if (failed(S.error)) return;
+  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < started; w += gridDim.x * blockDim.x) {
+    double m = 0.0;
+    for (int o = 0; o < observers; ++o)
+      m = scorers::aggregate_observation<Scorer>(m, qmass[static_cast<std::size_t>(o) * started + w]);
+    qmass[w] = m;
+  }
+}
+
+/// Initial scores from the aggregated observation masses (qmass row 0, after the scorer's
+/// pooling); sinks and recent tokens into their blocks; the lane's token count.
 template <class Scorer>
 __global__ void prefill_place_kernel(const cache_params P, const cache_pointers S, int lane_index, const float* kr, const float* v,
-                                     const double* qmass, int n, int observers, int started, int aged_after) {
+                                     const double* mass, int n, int started, int aged_after) {
   if (failed(S.error)) return;
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
@@ -112,25 +126,8 @@ __global__ void prefill_place_kernel(const cache_params P, const cache_pointers 
   window_record* table = reinterpret_cast<window_record*>(region);
   const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  auto aggregated = [&](int w) {
-    double m = 0.0;
-    for (int o = 0; o < observers; ++o) {
-      const double x = qmass[static_cast<std::size_t>(o) * (started > 1 ? started : 1) + w];
-      m = Scorer::prefill_aggregation == scorers::aggregation::max ? (x > m ? x : m) : m + x;
-    }
-    return m;
-  };
   for (std::size_t w = tid; w < static_cast<std::size_t>(started); w += stride) {
-    double m = 0.0;
-    if constexpr (Scorer::prefill_pooling > 1) {
-      const int r = Scorer::prefill_pooling / 2, wi = static_cast<int>(w);
-      for (int x = wi - r < 0 ? 0 : wi - r; x <= (wi + r < started - 1 ? wi + r : started - 1); ++x) {
-        const double a = aggregated(x);
-        m = a > m ? a : m;
-      }
-    } else {
-      m = aggregated(static_cast<int>(w));
-    }
+    const double m = scorers::pooled_prefill_mass<Scorer>(mass, 1, static_cast<int>(w), started);
     table[w].score = Scorer::accumulate(Scorer::initial_score(static_cast<int>(w)), static_cast<float>(m));
   }
   const int recent_from = L.sinks + aged_after * L.window;

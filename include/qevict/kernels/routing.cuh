@@ -6,6 +6,7 @@
 //                         sorted in shared memory by (score desc, window asc) — core/routing.hpp's
 //                         ranks_before — then assign_tiers' rule (K_f, then K_q − |F ∩ ledger|),
 //                         slot bookkeeping, window-table update, window list, after_routing.
+//                         A frozen selection ranks only the newly aged windows, for the free slots.
 //   quantize_kernel       first demotions into the ledger (from a Full slot, the recent ring or
 //                         the prefill's buffers): unrotate, quantize with the policy's own code.
 //   store_full_kernel     promotions (dequantize + RoPE) and newly aged windows into Full slots.
@@ -74,8 +75,10 @@ __device__ inline void tile_scan(const bool (&flag)[N], int (&rank)[N], int (&to
   __syncthreads();
 }
 
-/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane.
-template <class Scorer>
+/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane. After its first
+/// event a lane under a frozen routing policy (routing::frozen_after_prefill) ranks only its newly
+/// aged windows, for the slots still free, as the host's route_lane does.
+template <class Scorer, class Routing>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
   extern __shared__ unsigned long long keys[];  // P.sort_capacity
@@ -101,11 +104,15 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int span = tokens - L.sinks - P.recent;
   const int aged_after = max(aged_before, span > 0 ? span / L.window : 0);
   const int started = tokens > L.sinks ? (tokens - L.sinks + L.window - 1) / L.window : 0;
+  const bool frozen = !Routing::rerank_after_first_event && extra.routed != 0;
+  const int full_capacity = frozen ? extra.free_full : P.full_capacity;
+  const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
 
-  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged (order is restored by the sort).
+  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged (order is restored by the sort); only the
+  // newly aged under a frozen selection.
   if (threadIdx.x == 0) n_candidates = 0;
   __syncthreads();
-  for (int w = threadIdx.x; w < aged_after; w += blockDim.x) {
+  for (int w = (frozen ? aged_before : 0) + threadIdx.x; w < aged_after; w += blockDim.x) {
     const window_record r = table[w];
     if (tier_of(r, w < aged_before) == tier::evicted) continue;
     const int at = atomicAdd(&n_candidates, 1);
@@ -134,14 +141,14 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     }
 
   // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
-  const int n_full = min(P.full_capacity, n);
+  const int n_full = min(full_capacity, n);
   int kept_by_full = 0;
   for (int base = 0; base < n_full; base += blockDim.x) {
     const int r = base + threadIdx.x;
     const bool has = r < n_full && table[static_cast<std::uint32_t>(keys[r])].ledger_slot >= 0;
     kept_by_full += __syncthreads_count(has);
   }
-  const int room = P.ledger_capacity > kept_by_full ? P.ledger_capacity - kept_by_full : 0;
+  const int room = ledger_capacity > kept_by_full ? ledger_capacity - kept_by_full : 0;
   const int n_quantized = min(room, n - n_full);
 
   // Flags of the candidate at rank r: 0 evicted holding a Full slot, 1 demoted (Full -> Quantized),
@@ -266,6 +273,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       lane.aged = aged_after;
       lane.n_entries = carry;
       extra.steps = 0;
+      extra.routed = 1;
       extra.free_full = full_top - T[2] - T[3];
       extra.free_ledger = ledger_top - T[5] - T[6];
       task_count[0] = T[5] + T[6];

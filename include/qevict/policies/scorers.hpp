@@ -76,4 +76,27 @@ struct defensive_mass : scorer_defaults {
   static constexpr aggregation prefill_aggregation = aggregation::max;
 };
 
+/// The prefill's aggregation: one observation query's mass of a window folded into the window's
+/// prefill mass so far (which starts at 0): their sum (Eq. 1) or the larger of the two.
+template <class Scorer>
+QEVICT_HOST_DEVICE constexpr double aggregate_observation(double so_far, double query_mass) {
+  if constexpr (Scorer::prefill_aggregation == aggregation::max) return query_mass > so_far ? query_mass : so_far;
+  else return so_far + query_mass;
+}
+
+/// The prefill's pooling: window w's prefill mass after max-pooling over the windows within
+/// prefill_pooling / 2 of it, among the `windows` windows the prompt started. `mass[x * stride]`
+/// is window x's aggregated mass (masses are non-negative).
+template <class Scorer>
+QEVICT_HOST_DEVICE constexpr double pooled_prefill_mass(const double* mass, int stride, int w, int windows) {
+  const int r = Scorer::prefill_pooling / 2;
+  const int first = w - r > 0 ? w - r : 0, last = w + r < windows - 1 ? w + r : windows - 1;
+  double m = 0.0;
+  for (int x = first; x <= last; ++x) {
+    const double a = mass[static_cast<long long>(x) * stride];
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
 }  // namespace qevict::scorers

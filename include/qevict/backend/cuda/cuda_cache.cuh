@@ -11,11 +11,12 @@
 // the next synchronizing call — check(), report(), windows(), counts(), read_window(),
 // ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
 //
-// Supported policies: window<8, S <= 8, L>, quantizers::asymmetric<2, meta::bf16>, any three_tier
-// allocator (two_tier included), routing::ranked, selection::per_layer, full_tier::full_precision,
-// scorers whose token signal is the attention probability (or none); bf16 or f16 elements,
-// head_dim 64 or 128, GQA groups up to 8. Anything else fails at compile time (policies) or at
-// construction (geometry).
+// Supported policies: window<8, S <= 8, L>, quantizers::asymmetric<2, meta::bf16>, every
+// allocator (three_tier, two_tier, quantize_all, mixed_precision: the kernels see only the plan's
+// K_f and K_q), routing::ranked and routing::frozen_after_prefill, selection::per_layer,
+// full_tier::full_precision, scorers whose token signal is the attention probability (or none),
+// with any prefill aggregation and pooling; bf16 or f16 elements, head_dim 64 or 128, GQA groups
+// up to 8. Anything else fails at compile time (policies) or at construction (geometry).
 //
 // CUDA graphs: the kernels read token counts, positions and window lists from the device, so a
 // captured decode step replays correctly on the device. The host mirrors advance with calls only,
@@ -68,10 +69,6 @@ template <class Q>
 struct is_int2_bf16 : std::false_type {};
 template <>
 struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16>> : std::true_type {};
-template <class A>
-struct is_three_tier : std::false_type {};
-template <int P>
-struct is_three_tier<allocators::three_tier<P>> : std::true_type {};
 }  // namespace cuda_detail
 
 template <class Config>
@@ -79,15 +76,12 @@ class cuda_cache {
   using quantizer = typename Config::quantizer;
   using scorer = typename Config::scorer;
   using rope = typename Config::rope;
+  using routing_policy = typename Config::routing_policy;
   using W = typename Config::window_policy;
   static_assert(W::size == 8, "qevict::backend::cuda: unsupported window policy: the CUDA kernels need W = 8 tokens per window");
   static_assert(W::sinks <= 8, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(cuda_detail::is_int2_bf16<quantizer>::value,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16> (the paper's INT2)");
-  static_assert(cuda_detail::is_three_tier<typename Config::allocator>::value,
-                "qevict::backend::cuda: unsupported allocator: only allocators::three_tier<Q> (two_tier included)");
-  static_assert(Config::routing_policy::rerank_after_first_event,
-                "qevict::backend::cuda: unsupported routing policy: only routing::ranked (frozen selection is host-only)");
   static_assert(!Config::selection_policy::splits_heads,
                 "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
   static_assert(!Config::full_tier_policy::quantized,
@@ -135,7 +129,7 @@ class cuda_cache {
     detail::require(sort_smem <= 160 * 1024, "backend::cuda: limits::max_tokens is too large for routing's shared-memory sort "
                                              "(at most 16384 windows)");
     if (sort_smem > 48 * 1024)
-      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer>,
+      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
 
     const std::size_t need = required_bytes();
@@ -260,7 +254,10 @@ class cuda_cache {
       kernels::detail::prefill_attention_kernel<64><<<grid, 128, 0, st>>>(P_, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
     QEVICT_CUDA_CHECK_LAUNCH("prefill_attention_kernel");
     const int aged_after = aged_windows_for(n);
-    kernels::detail::prefill_place_kernel<scorer><<<256, 256, 0, st>>>(P_, S_, lane, kr, v, qmass, n, observers, started, aged_after);
+    kernels::detail::prefill_aggregate_kernel<scorer><<<static_cast<unsigned>(std::max(1, (started + 255) / 256)), 256, 0, st>>>(
+        S_, qmass, observers, started);
+    QEVICT_CUDA_CHECK_LAUNCH("prefill_aggregate_kernel");
+    kernels::detail::prefill_place_kernel<scorer><<<256, 256, 0, st>>>(P_, S_, lane, kr, v, qmass, n, started, aged_after);
     QEVICT_CUDA_CHECK_LAUNCH("prefill_place_kernel");
     mirror& m = mirrors_[static_cast<std::size_t>(lane)];
     m.tokens = n;
@@ -524,7 +521,8 @@ class cuda_cache {
   void launch_route(const kernels::lane_list& list, const kernels::route_source& src, int source_kind) {
     cudaStream_t st = set_.stream;
     const std::size_t smem = static_cast<std::size_t>(P_.sort_capacity) * 8;
-    kernels::detail::route_decide_kernel<scorer><<<static_cast<unsigned>(list.n), kernels::detail::route_threads, smem, st>>>(
+    const unsigned lanes = static_cast<unsigned>(list.n);
+    kernels::detail::route_decide_kernel<scorer, routing_policy><<<lanes, kernels::detail::route_threads, smem, st>>>(
         P_, S_, list, source_kind);
     QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
     // Prefill moves many windows; decode only a few per event.

@@ -250,27 +250,17 @@ class host_cache {
       }
       if (observer)
         for (std::size_t e = 0; e < mass.size(); ++e)
-          mass[e] = scorers::aggregation::max == scorer::prefill_aggregation ? std::max(mass[e], query_mass[e])
-                                                                              : mass[e] + query_mass[e];
+          mass[e] = scorers::aggregate_observation<scorer>(mass[e], query_mass[e]);
     }
-    // Max-pooling over neighbouring windows of the same unit.
-    if constexpr (scorer::prefill_pooling > 1) {
-      const int r = scorer::prefill_pooling / 2;
-      std::vector<double> pooled(mass.size());
-      for (int w = 0; w < started; ++w)
-        for (int u = 0; u < U; ++u) {
-          double m = 0.0;
-          for (int x = std::max(0, w - r); x <= std::min(started - 1, w + r); ++x) m = std::max(m, mass[static_cast<std::size_t>(x * U + u)]);
-          pooled[static_cast<std::size_t>(w * U + u)] = m;
-        }
-      mass.swap(pooled);
-    }
-    // Place the tokens: sinks, then the recent ring, then route the aged windows.
+    // Initial scores: the scorer's max-pooling over neighbouring windows of the same unit.
     lane_state& lane = lane_of(s, layer);
     std::byte* region = region_of(s, layer);
     window_record* table = table_of(region);
-    for (int e = 0; e < started * U; ++e)
-      table[e].score = scorer::accumulate(scorer::initial_score(e / U), static_cast<float>(mass[static_cast<std::size_t>(e)]));
+    for (int e = 0; e < started * U; ++e) {
+      const double m = scorers::pooled_prefill_mass<scorer>(mass.data() + e % U, U, e / U, started);
+      table[e].score = scorer::accumulate(scorer::initial_score(e / U), static_cast<float>(m));
+    }
+    // Place the tokens: sinks, then the recent ring, then route the aged windows.
     lane.tokens = n;
     const int aged_after = aged_windows_for(n);
     for (int i = 0; i < n; ++i) {
