@@ -34,6 +34,15 @@ struct qevict : detail::preset<config<>> {
   static constexpr const char* source = "QEvict, arXiv 2608.05326 (Algorithm 1, Eq. 1-5)";
   static constexpr const char* simplified = "nothing: the paper's configuration";
 };
+/// QEvict whose records keep the keys after RoPE, the frame KIVI's cache quantizes in: the same
+/// bytes, tiers and routing; attention uses the quantized keys without rotating them (the CUDA
+/// kernel's cheapest INT2 path).
+struct qevict_post_rope
+    : detail::preset<config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>> {
+  static constexpr const char* name = "qevict_post_rope";
+  static constexpr const char* source = "QEvict, arXiv 2608.05326, with KIVI's post-RoPE key frame (arXiv 2402.02750)";
+  static constexpr const char* simplified = "keys are quantized after RoPE, not before it";
+};
 /// R1: token-level routing (W = 1).
 struct r1 : detail::preset<config<>::with_window<window<1, 5, 32>>> {
   static constexpr const char* name = "r1";
@@ -186,6 +195,7 @@ struct zipcache_like
 template <class F>
 void for_each(F&& f) {
   f.template operator()<qevict>(std::string_view{qevict::name});
+  f.template operator()<qevict_post_rope>(std::string_view{qevict_post_rope::name});
   f.template operator()<full_kv>(std::string_view{full_kv::name});
   f.template operator()<streaming_llm>(std::string_view{streaming_llm::name});
   f.template operator()<h2o>(std::string_view{h2o::name});

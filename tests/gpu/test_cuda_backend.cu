@@ -24,6 +24,7 @@ using gpu_test::run_case;
 using gpu_test::twin;
 using paper = qevict::config<>;
 using two_tier = qevict::config<>::with_allocator<allocators::two_tier>;
+using post_rope = qevict::config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
 
 }  // namespace
 
@@ -55,6 +56,23 @@ TEST_CASE("CUDA backend: two-tier allocator") {
   run_case<two_tier>(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.05), 500, quick() ? 24 : 256, 1,
                                rope_layout::rotate_half, true},
                      77);
+}
+
+TEST_CASE("CUDA backend: records with keys quantized after RoPE") {
+  const element_type bf = element_type::bf16, f16 = element_type::f16;
+  std::vector<case_spec> cases = {
+      {128, 4, 7, bf, budget::fraction(0.20), 700, 256, 1, rope_layout::rotate_half, true},
+      {64, 8, 32, f16, budget::fraction(0.05), 300, 256, 1, rope_layout::rotate_half, true},
+      {128, 1, 7, bf, budget::fraction(0.05), 900, 256, 2, rope_layout::interleaved, true},
+  };
+  if (quick()) cases = {{64, 4, 7, bf, budget::fraction(0.05), 300, 40, 2, rope_layout::rotate_half, true}};
+  unsigned seed = 91;
+  for (const case_spec& c : cases) {
+    CAPTURE(c.head_dim);
+    CAPTURE(c.group);
+    CAPTURE(c.batch);
+    run_case<post_rope>(c, seed++);
+  }
 }
 
 TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {

@@ -19,6 +19,8 @@ namespace {
 
 using namespace qevict;
 using cfg = qevict::config<>;
+/// The same cache with keys quantized after RoPE (attention reads them without rotating).
+using cfg_post_rope = cfg::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
 using gpu_test::device_buffer;
 
 struct case_spec {
@@ -37,7 +39,8 @@ struct built_cache {
 };
 
 /// Reads the lane states and window lists out of a host-backend arena.
-built_cache lanes_of(const cache<cfg>& kv, const std::vector<std::byte>& arena, const std::vector<sequence_id>& seqs,
+template <class Config>
+built_cache lanes_of(const cache<Config>& kv, const std::vector<std::byte>& arena, const std::vector<sequence_id>& seqs,
                      const std::vector<long long>& first, const kernels::decode_layout& L) {
   built_cache out;
   out.arena = arena;
@@ -65,6 +68,7 @@ built_cache lanes_of(const cache<cfg>& kv, const std::vector<std::byte>& arena, 
   return out;
 }
 
+template <class Config = cfg>
 void run_case(const case_spec& spec, unsigned seed) {
   std::mt19937 rng(seed);
   geometry g;
@@ -78,9 +82,9 @@ void run_case(const case_spec& spec, unsigned seed) {
   const limits lim{.max_batch = spec.batch, .max_tokens = 4096};
   options opt;
   opt.routing = routing_mode::manual;
-  std::vector<std::byte> arena(cache<cfg>::required_bytes(g, spec.b, lim) + 64);
+  std::vector<std::byte> arena(cache<Config>::required_bytes(g, spec.b, lim) + 64);
   auto* base = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(arena.data()) + 63) & ~std::uintptr_t{63});
-  cache<cfg> kv(g, spec.b, lim, storage::external{base, cache<cfg>::required_bytes(g, spec.b, lim)}, opt);
+  cache<Config> kv(g, spec.b, lim, storage::external{base, cache<Config>::required_bytes(g, spec.b, lim)}, opt);
   const std::size_t krow = static_cast<std::size_t>(g.kv_heads) * g.head_dim;
   const std::size_t qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
 
@@ -117,8 +121,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   for (const sequence_id s : seqs)
     for (const auto& w : kv.windows(s, 0)) kv.set_score(s, 0, w.index, 0.0f);
 
-  const kernels::decode_layout L = kernels::decode_layout::from_plan(kv.plan(), g.rope.layout);
-  const std::vector<std::byte> snapshot(base, base + cache<cfg>::required_bytes(g, spec.b, lim));
+  const kernels::decode_layout L = kernels::decode_layout::for_config<Config>(kv.plan(), g.rope.layout);
+  const std::vector<std::byte> snapshot(base, base + cache<Config>::required_bytes(g, spec.b, lim));
   const built_cache built = lanes_of(kv, snapshot, seqs, first, L);
 
   // Host reference.
@@ -218,4 +222,23 @@ TEST_CASE("decode attention matches the host backend") {
 
 TEST_CASE("decode attention with interleaved rotary pairs") {
   for (int d : {64, 128}) run_case(case_spec{d, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 2500}, 1000u + d);
+}
+
+TEST_CASE("decode attention over keys quantized after RoPE matches the host backend") {
+  const budget budgets[] = {budget::fraction(0.20), budget::fraction(0.05)};
+  unsigned seed = 5000;
+  for (int d : {64, 128})
+    for (int group : {1, 4, 8})
+      for (int batch : {1, 7, 32})
+        for (element_type e : {element_type::bf16, element_type::f16})
+          for (const budget& b : budgets) {
+            CAPTURE(d);
+            CAPTURE(group);
+            CAPTURE(batch);
+            CAPTURE(static_cast<int>(e));
+            CAPTURE(b.fraction_value());
+            run_case<cfg_post_rope>(case_spec{d, group, batch, e, b, rope_layout::rotate_half, batch == 32 ? 1200 : 3000}, seed++);
+          }
+  for (int d : {64, 128})
+    run_case<cfg_post_rope>(case_spec{d, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 2500}, 6000u + d);
 }

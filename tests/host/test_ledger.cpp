@@ -1,7 +1,8 @@
 // Migration-stable quantization (Algorithm 1, lines 9-18): a window is quantized once, on its
 // first demotion; 100 promote/demote cycles later its ledger record is bit-identical, and what
-// attention reads back is RoPE(dequantized pre-RoPE key) at the window's original positions —
-// one quantization round trip, never more.
+// attention reads back is RoPE(dequantized pre-RoPE key) at the window's original positions (or
+// the dequantized key itself, for records that keep keys after RoPE) — one quantization round
+// trip, never more.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -67,18 +68,28 @@ void check_cycles(qevict::rope_layout layout, qevict::element_type element, doub
   // What attention must see for window 0: the record decoded independently, keys rotated (in
   // double, own RoPE) to the original positions p0 + 1 + j.
   constexpr bool f32_meta = std::is_same_v<typename Quantizer::meta_type, qevict::meta::f32>;
+  // A record keeps its keys before RoPE (the paper) or after it (key_frame::after_rope).
+  constexpr bool after_rope = Quantizer::key_frame::rotated;
   const decoded_window dq = decode_record(record, 8, 2, 16, Quantizer::bits, f32_meta);
   std::vector<double> expected_keys(dq.keys.begin(), dq.keys.end());
+  if (!after_rope)
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) rope_rotate(rope_spec{10000.0, layout}, 16, &expected_keys[(j * 2 + h) * 16], p0 + 1 + j);
+  // The original keys in the record's frame.
+  std::vector<double> original_keys(8 * row);
   for (int j = 0; j < 8; ++j)
-    for (int h = 0; h < 2; ++h) rope_rotate(rope_spec{10000.0, layout}, 16, &expected_keys[(j * 2 + h) * 16], p0 + 1 + j);
-  // One round trip from the original pre-RoPE keys: within half a scale per element (plus the
-  // float noise of rotating the stored key back to its pre-RoPE frame).
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < 16; ++c) original_keys[(j * 2 + h) * 16 + c] = k[(1 + j) * row + h * 16 + c];
+      if (after_rope) rope_rotate(rope_spec{10000.0, layout}, 16, &original_keys[(j * 2 + h) * 16], p0 + 1 + j);
+    }
+  // One round trip from the original keys: within half a scale per element (plus the float noise
+  // of rotating the stored key to the record's frame).
   int outside = 0;
   for (int j = 0; j < 8; ++j)
     for (int h = 0; h < 2; ++h)
       for (int c = 0; c < 16; ++c) {
         const std::size_t i = (static_cast<std::size_t>(j) * 2 + h) * 16 + c;
-        const double original = k[(1 + j) * row + h * 16 + c];
+        const double original = original_keys[i];
         const double bound = dq.key_scale[h * 16 + c] / 2.0 + key_tolerance * 8.0 + 1e-5;
         outside += std::abs(original - dq.keys[i]) > bound;
       }
@@ -143,4 +154,10 @@ TEST_CASE("100 demote/promote cycles: INT4 with f32 metadata, and bf16 element s
                                                                      qevict::element_type::f32, 2e-5);
   // bf16 storage rounds the promoted copy to 8 significant bits; keys here stay below ~16.
   check_cycles<qevict::quantizers::asymmetric<2>>(qevict::rope_layout::rotate_half, qevict::element_type::bf16, 0.07);
+}
+
+TEST_CASE("100 demote/promote cycles: keys quantized after RoPE are read back without rotation") {
+  using post_rope = qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::after_rope>;
+  check_cycles<post_rope>(qevict::rope_layout::rotate_half, qevict::element_type::f32, 2e-5);
+  check_cycles<post_rope>(qevict::rope_layout::interleaved, qevict::element_type::f32, 2e-5);
 }

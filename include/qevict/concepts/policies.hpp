@@ -28,6 +28,7 @@ template <class Q>
 concept quantizer_policy = requires(const quantizers::record_layout& L, const float* x, std::uint8_t* rec,
                                     const std::uint8_t* crec, float* out, int i) {
   { Q::bits } -> std::convertible_to<int>;
+  { Q::key_frame::rotated } -> std::convertible_to<bool>;
   { Q::layout(i, i, i) } -> std::same_as<quantizers::record_layout>;
   Q::quantize(L, x, x, rec);
   Q::dequantize_key(L, crec, i, i, out);

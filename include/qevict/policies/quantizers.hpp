@@ -4,8 +4,9 @@
 //
 // The paper's scheme (asymmetric min-max, as in KIVI): keys are grouped per channel across the
 // window's tokens (keys have per-channel outliers), values per token across channels. Keys are
-// quantized before RoPE; the positions live in the window table and RoPE is re-applied after
-// dequantization.
+// quantized before RoPE (key_frame::before_rope); the positions live in the window table and RoPE
+// is re-applied after dequantization. key_frame::after_rope quantizes the keys as attention sees
+// them (KIVI's own cache does this), so that attention reads the codes without rotating them.
 //
 // Record layout of one quantized window, repeated for each KV head h (sizes in bytes; code
 // sections are padded to 4 bytes so that metadata stays aligned):
@@ -21,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "qevict/core/numeric.hpp"
 
@@ -63,6 +65,26 @@ struct f32 {
 
 namespace quantizers {
 
+/// The frame a window's keys are quantized in. Both frames cost the same bytes.
+namespace key_frame {
+/// Before RoPE (the paper; KVQuant): a channel's outliers stay in that channel, so per-channel
+/// groups fit them; attention rotates every dequantized key to its position.
+struct before_rope {
+  static constexpr bool rotated = false;
+  static constexpr const char* name = "pre-RoPE";
+};
+/// After RoPE, at each token's own position (KIVI's cache): attention uses the dequantized key as
+/// it is, which takes the rotation (about half of the arithmetic per quantized key) out of the
+/// decode kernel. Within a window of W tokens the rotation relative to the window's first token is
+/// the same in both frames; the window's common rotation mixes the two channels of each rotary
+/// pair, which widens a per-channel group only where a pair holds an outlier channel and has
+/// turned far (the low-frequency pairs, where outliers tend to live, turn least).
+struct after_rope {
+  static constexpr bool rotated = true;
+  static constexpr const char* name = "post-RoPE";
+};
+}  // namespace key_frame
+
 /// Byte offsets of one window's record; computed once per cache, shared by both backends.
 struct record_layout {
   int tokens = 0, heads = 0, head_dim = 0, bits = 0;
@@ -83,12 +105,17 @@ struct record_layout {
   QEVICT_HOST_DEVICE constexpr std::size_t metadata_bytes() const { return window_bytes() - code_bytes(); }
 };
 
-/// Asymmetric min-max quantization with `Bits` per code (2, 4 or 8) and `Meta` scale/zero.
-template <int Bits, class Meta = meta::bf16>
+/// Asymmetric min-max quantization with `Bits` per code (2, 4 or 8), `Meta` scale/zero, keys in
+/// `KeyFrame` (key_frame::before_rope or key_frame::after_rope).
+template <int Bits, class Meta = meta::bf16, class KeyFrame = key_frame::before_rope>
 struct asymmetric {
   static_assert(Bits == 2 || Bits == 4 || Bits == 8,
                 "qevict::quantizers::asymmetric<Bits>: Bits must be 2, 4 or 8");
+  static_assert(std::is_same_v<KeyFrame, key_frame::before_rope> || std::is_same_v<KeyFrame, key_frame::after_rope>,
+                "qevict::quantizers::asymmetric<Bits, Meta, KeyFrame>: KeyFrame must be key_frame::before_rope or "
+                "key_frame::after_rope");
   using meta_type = Meta;
+  using key_frame = KeyFrame;
   using meta_storage = typename Meta::storage;
   static constexpr int bits = Bits;
   static constexpr int max_code = (1 << Bits) - 1;
@@ -137,9 +164,10 @@ struct asymmetric {
     std::memcpy(p + i * sizeof(meta_storage), &m, sizeof m);
   }
 
-  /// Quantize one window. `keys_pre_rope` and `values` are float [tokens][heads][head_dim] (the
-  /// order tokens arrive in); `record` receives layout(...).window_bytes() bytes.
-  QEVICT_HOST_DEVICE static void quantize(const record_layout& L, const float* keys_pre_rope, const float* values,
+  /// Quantize one window. `keys` (in the key frame: before or after RoPE) and `values` are float
+  /// [tokens][heads][head_dim] (the order tokens arrive in); `record` receives
+  /// layout(...).window_bytes() bytes.
+  QEVICT_HOST_DEVICE static void quantize(const record_layout& L, const float* keys, const float* values,
                                           std::uint8_t* record) {
     const std::size_t row = static_cast<std::size_t>(L.heads) * L.head_dim;
     for (int h = 0; h < L.heads; ++h) {
@@ -149,9 +177,9 @@ struct asymmetric {
       for (std::size_t i = 0; i < L.code_section(); ++i) key_codes[i] = value_codes[i] = 0;
       // Keys: one group per channel, across the window's tokens.
       for (int c = 0; c < L.head_dim; ++c) {
-        float lo = keys_pre_rope[h * L.head_dim + c], hi = lo;
+        float lo = keys[h * L.head_dim + c], hi = lo;
         for (int t = 1; t < L.tokens; ++t) {
-          const float x = keys_pre_rope[t * row + h * L.head_dim + c];
+          const float x = keys[t * row + h * L.head_dim + c];
           lo = x < lo ? x : lo;
           hi = x > hi ? x : hi;
         }
@@ -161,7 +189,7 @@ struct asymmetric {
         store_meta(rec + L.key_zero_offset(), c, z);
         for (int t = 0; t < L.tokens; ++t)
           put_code(key_codes, static_cast<std::size_t>(t) * L.head_dim + c,
-                   code_of(keys_pre_rope[t * row + h * L.head_dim + c], Meta::decode(s), Meta::decode(z)));
+                   code_of(keys[t * row + h * L.head_dim + c], Meta::decode(s), Meta::decode(z)));
       }
       // Values: one group per token, across channels.
       for (int t = 0; t < L.tokens; ++t) {
@@ -182,7 +210,7 @@ struct asymmetric {
     }
   }
 
-  /// Pre-RoPE key of token t, head h, into out[head_dim].
+  /// Key of token t, head h (in the key frame), into out[head_dim].
   QEVICT_HOST_DEVICE static void dequantize_key(const record_layout& L, const std::uint8_t* record, int h, int t,
                                                 float* out) {
     const std::uint8_t* rec = record + h * L.head_bytes();

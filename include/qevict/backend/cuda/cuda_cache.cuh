@@ -67,8 +67,8 @@ struct cuda {
 namespace cuda_detail {
 template <class Q>
 struct is_int2_bf16 : std::false_type {};
-template <>
-struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16>> : std::true_type {};
+template <class Frame>
+struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
 }  // namespace cuda_detail
 
 template <class Config>
@@ -81,7 +81,8 @@ class cuda_cache {
   static_assert(W::size == 8, "qevict::backend::cuda: unsupported window policy: the CUDA kernels need W = 8 tokens per window");
   static_assert(W::sinks <= 8, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(cuda_detail::is_int2_bf16<quantizer>::value,
-                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16> (the paper's INT2)");
+                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16, key_frame::before_rope or "
+                "key_frame::after_rope> (the paper's INT2)");
   static_assert(!Config::selection_policy::splits_heads,
                 "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
   static_assert(!Config::full_tier_policy::quantized,
@@ -89,6 +90,8 @@ class cuda_cache {
   static_assert(scorer::token_signal != scorers::signal::value_weighted_attention,
                 "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
   static constexpr bool rotates = rope::rotates;
+  /// Whether a record's keys must be rotated to their positions (and un-rotated when quantized).
+  static constexpr bool records_rotate = rotates && !quantizer::key_frame::rotated;
 
  public:
   cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
@@ -111,7 +114,7 @@ class cuda_cache {
     detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
                     "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64]");
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
-    P_.L = kernels::decode_layout::from_plan(plan_, g.rope.layout);
+    P_.L = kernels::decode_layout::for_config<Config>(plan_, g.rope.layout);
     detail::require((P_.L.region_bytes | P_.L.sink_offset | P_.L.recent_offset | P_.L.full_offset | P_.L.ledger_offset) % 16 == 0,
                     "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
                     "(max_tokens - sinks + window - 1) / window is a multiple of 4");
@@ -528,13 +531,13 @@ class cuda_cache {
     // Prefill moves many windows; decode only a few per event.
     const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : 2u);
     if (geo_.head_dim == 128) {
-      kernels::detail::quantize_kernel<128, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<128, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<128, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<128, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
     } else {
-      kernels::detail::quantize_kernel<64, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<64, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<64, quantizer, rotates><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<64, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
     }
     QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
     for (int i = 0; i < list.n; ++i) {

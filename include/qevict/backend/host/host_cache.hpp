@@ -599,12 +599,15 @@ class host_cache {
         float* kd = k_post + (static_cast<std::size_t>(j) * hu + hl) * d;
         Q::dequantize_key(layout, record, hl, j, kd);
         Q::dequantize_value(layout, record, hl, j, v + (static_cast<std::size_t>(j) * hu + hl) * d);
-        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + j);
+        if constexpr (!Q::key_frame::rotated) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + j);
       }
   }
 
-  /// Rotates post-RoPE keys [window][hu][d] of window w back to the pre-RoPE frame, in place.
-  void unrotate(sequence_id s, int w, float* k) const {
+  /// Rotates post-RoPE keys [window][hu][d] of window w back to the pre-RoPE frame, in place, when
+  /// quantizer Q keeps its keys before RoPE.
+  template <class Q>
+  void to_key_frame(sequence_id s, int w, float* k) const {
+    if constexpr (Q::key_frame::rotated) return;
     const int d = geo_.head_dim, hu = plan_.heads_per_unit;
     for (int j = 0; j < plan_.window; ++j)
       for (int hl = 0; hl < hu; ++hl)
@@ -640,7 +643,7 @@ class host_cache {
         Q::dequantize_key(layout, r, hl, j, kq);
         Q::dequantize_value(layout, r, hl, j, vq);
         for (int c = 0; c < d; ++c) kr[c] = kq[c];
-        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
+        if constexpr (!Q::key_frame::rotated) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
         push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
       }
     };
@@ -696,7 +699,7 @@ class host_cache {
   /// Quantizes window w (post-RoPE keys, values; [window][hu][d]) into a new ledger record.
   void quantize_into_ledger(sequence_id s, int layer, std::byte* region, lane_state& lane, window_record& rec, int w,
                             float* k_post, const float* v) {
-    unrotate(s, w, k_post);
+    to_key_frame<quantizer>(s, w, k_post);
     rec.ledger_slot = lane.free_ledger.back();
     lane.free_ledger.pop_back();
     quantizer::quantize(plan_.record, k_post, v, ledger_of(layer, region, rec.ledger_slot));
@@ -709,7 +712,7 @@ class host_cache {
     lane.free_full.pop_back();
     std::byte* slot = region + plan_.full_offset + static_cast<std::size_t>(rec.full_slot) * plan_.full_window_bytes;
     if constexpr (full_tier::quantized) {
-      unrotate(s, w, k_post);
+      to_key_frame<typename full_tier::quantizer>(s, w, k_post);
       full_tier::quantizer::quantize(plan_.full_record, k_post, v, reinterpret_cast<std::uint8_t*>(slot));
     } else {
       const int d = geo_.head_dim, hu = plan_.heads_per_unit;
