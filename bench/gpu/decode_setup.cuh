@@ -78,7 +78,7 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   const budget b = fraction > 0 ? budget::fraction(fraction) : budget::everything();
   const limits lim{.max_batch = batch, .max_tokens = context};
   s.plan = make_region_plan<Config>(g, b, lim);
-  s.layout = kernels::decode_layout::from_plan(s.plan, g.rope.layout);
+  s.layout = kernels::decode_layout::for_config<Config>(s.plan, g.rope.layout);
   s.batch = batch;
   s.items_per_chunk = items_per_chunk;
   const std::size_t arena_bytes = s.plan.region_bytes * batch;

@@ -75,15 +75,15 @@ def report(ours_path, peers_path):
     for batch, context in POINTS:
         here = [r for r in rows if r.get("batch") == batch and r.get("context") == context]
         cudnn = next((r for r in here if r["impl"] == "sdpa_cudnn" and "ms" in r), None)
-        ordered = sorted([r for r in here if r["impl"] == "qevict"], key=lambda r: -(r["budget"] or 2)) + \
-            [r for r in here if r["impl"] != "qevict"]
+        ours = [r for r in here if r["impl"].startswith("qevict")]
+        ordered = sorted(ours, key=lambda r: (-(r["budget"] or 2), r["impl"])) + [r for r in here if r not in ours]
         for r in ordered:
             if "ms" not in r:
                 print(f"| {batch} | {context} | {r['impl']} | 100% | failed: {r.get('error', '?')} | | | | | | |")
                 continue
             tbps = r["bytes"] / r["ms"] / 1e9
-            budget = "100% (all Full)" if r["impl"] == "qevict" and r["budget"] == 0 else \
-                (f"{round(r['budget'] * 100)}%" if r["impl"] == "qevict" else "100% (dense)")
+            budget = "100% (all Full)" if r in ours and r["budget"] == 0 else \
+                (f"{round(r['budget'] * 100)}%" if r in ours else "100% (dense)")
             no_mass = f"{r['ms_no_mass']:.4f}" if "ms_no_mass" in r else ""
             mass_cost = f"{100 * (r['ms'] / r['ms_no_mass'] - 1):+.1f}%" if "ms_no_mass" in r else ""
             ratio = f"{cudnn['ms'] / r['ms']:.2f}x" if cudnn else ""

@@ -1,8 +1,8 @@
 #pragma once
 // Fused decode attention over a QEvict cache: one pass over the sinks, the Full windows (bf16 or
-// fp16), the Quantized windows (INT2 codes dequantized in registers, pre-RoPE keys rotated in
-// registers at their positions) and the recent region, with each window's attention mass as a
-// by-product.
+// fp16), the Quantized windows (INT2 codes dequantized in registers; keys quantized before RoPE
+// are rotated in registers at their positions, keys quantized after RoPE are used as they are) and
+// the recent region, with each window's attention mass as a by-product.
 //
 // Work list. Every (sequence, layer) — a lane — has a compact window list (CSR-style: a fixed
 // stride per lane and a count) of (window index, slot) entries for its Full and Quantized
@@ -24,6 +24,10 @@
 //
 // INT2 metadata is folded: a value's per-token scale multiplies its probability and its zero
 // accumulates as sum(p * zero) per head, so value codes enter the tensor core as exact integers.
+// Keys quantized after RoPE take an fp16 path: each key element is one fp16 FMA of its code
+// (placed in the mantissa of 1.0) with the channel's scale and zero, prepared once per window in
+// shared memory; the query is an fp16 copy whose channels are ordered so that a thread's codes
+// need no shuffling (the contraction order is free, as long as A and B agree).
 //
 // Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
 // sum(exp(s - m_ref)) scaled to the CTA's max; merge_kernel forms the log-sum-exp, the output and
@@ -75,10 +79,16 @@ struct decode_layout {
               value_zero_offset = 0;
   int entries_per_lane = 0;
   int max_items = 0;  ///< items a lane can have: sink group + entries + recent windows
+  /// Quantized keys are stored before RoPE and are rotated to their positions in attention;
+  /// false when they are stored as attention sees them (after RoPE, or no RoPE at all).
+  bool rotate_quantized_keys = true;
 
-  static decode_layout from_plan(const region_plan& p, rope_layout pairs) {
+  /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records rotate their
+  /// keys in attention when `rotate_records` (see for_config).
+  static decode_layout from_plan(const region_plan& p, rope_layout pairs, bool rotate_records) {
     decode_layout d;
     d.layout = pairs;
+    d.rotate_quantized_keys = rotate_records;
     d.kv_heads = p.kv_heads;
     d.group = p.q_heads / p.kv_heads;
     d.head_dim = p.head_dim;
@@ -102,6 +112,12 @@ struct decode_layout {
     const int recent_windows = (p.recent_capacity + p.window - 1) / p.window + 1;
     d.max_items = (p.sinks > 0 ? 1 : 0) + d.entries_per_lane + recent_windows;
     return d;
+  }
+
+  /// The layout of a cache built from Config (its RoPE policy and its quantizer's key frame).
+  template <class Config>
+  static decode_layout for_config(const region_plan& p, rope_layout pairs) {
+    return from_plan(p, pairs, Config::rope::rotates && !Config::quantizer::key_frame::rotated);
   }
 };
 
@@ -151,6 +167,15 @@ constexpr int warps_per_cta = 4;
 constexpr int max_items_per_chunk = 64;
 constexpr float log2e = 1.4426950408889634f;
 
+/// 2^x on the special-function unit (relative error about 2^-22). Results below 2^-126 flush to
+/// zero, which for a softmax weight relative to the running maximum changes nothing that float
+/// sums would keep; it spares exp2f's range fix-up (a compare and two multiplies per call).
+__device__ __forceinline__ float exp2_sfu(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 /// One item (8 tokens) as a warp sees it.
 struct item_view {
   int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: quantized record
@@ -162,19 +187,32 @@ struct item_view {
   long long t0;    // quantized: position of token 0
 };
 
+/// Where this CTA's KV head starts in each section of its lane's region (computed once per CTA).
+struct head_sections {
+  const std::uint8_t* sinks;   // keys and values of the sink tokens
+  const std::uint8_t* full;    // Full slot 0 (slot i at + i * full_window_bytes)
+  const std::uint8_t* ledger;  // ledger record 0 (record i at + i * record_bytes)
+  const std::uint8_t* recent;  // the recent ring
+};
+
 template <int ElementBytes>
-__device__ __forceinline__ item_view describe_item(const decode_layout& L, const std::uint8_t* region,
-                                                   const lane_state& lane, const window_entry* entries,
-                                                   int entry_offset, int item, int n_items, int h) {
+__device__ __forceinline__ head_sections sections_of(const decode_layout& L, const std::uint8_t* region, int h) {
+  const std::size_t d = static_cast<std::size_t>(L.head_dim) * ElementBytes;
+  return head_sections{region + L.sink_offset + h * 2 * L.sinks * d, region + L.full_offset + h * 2 * L.window * d,
+                       region + L.ledger_offset + h * L.record_head_bytes, region + L.recent_offset + h * 2 * L.recent_capacity * d};
+}
+
+__device__ __forceinline__ item_view describe_item(const decode_layout& L, const head_sections& at, const lane_state& lane,
+                                                   const window_entry* entries, int entry_offset, int item, int n_items) {
   item_view v{0, nullptr, 0, 0, 0, -1, 0};
   if (item >= n_items) return v;
-  const int D = L.head_dim, W = L.window;
+  const int W = L.window;
   int i = item;
   if (L.sinks > 0) {
     if (i == 0) {
       v.kind = 1;
       v.capacity = L.sinks;
-      v.base = region + L.sink_offset + static_cast<std::size_t>(h) * 2 * L.sinks * D * ElementBytes;
+      v.base = at.sinks;
       v.valid = min(lane.tokens, L.sinks);
       return v;
     }
@@ -187,12 +225,10 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
     if (e.slot >= 0) {
       v.kind = 1;
       v.capacity = W;
-      v.base = region + L.full_offset + static_cast<std::size_t>(e.slot) * L.full_window_bytes +
-               static_cast<std::size_t>(h) * 2 * W * D * ElementBytes;
+      v.base = at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes;
     } else {
       v.kind = 2;
-      v.base = region + L.ledger_offset + static_cast<std::size_t>(~e.slot) * L.record_bytes +
-               static_cast<std::size_t>(h) * L.record_head_bytes;
+      v.base = at.ledger + static_cast<std::size_t>(~e.slot) * L.record_bytes;
       v.t0 = lane.first_position + L.sinks + static_cast<long long>(e.window) * W;
     }
     return v;
@@ -201,11 +237,30 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
   v.kind = 1;
   v.window = w;
   v.capacity = L.recent_capacity;
-  v.base = region + L.recent_offset + static_cast<std::size_t>(h) * 2 * L.recent_capacity * D * ElementBytes;
+  v.base = at.recent;
   v.first_slot = (w * W) % L.recent_capacity;
   v.valid = min(W, lane.tokens - L.sinks - w * W);
   return v;
 }
+
+/// An item as the copy and compute stages read it from shared memory (one 16-byte load), described
+/// once per CTA by one thread rather than by every lane of the warp that streams it.
+struct item_ref {
+  std::uint32_t offset;      // of item_view::base from the lane's region
+  std::uint32_t kind_valid;  // kind | valid << 8
+  std::uint32_t ring;        // first_slot | capacity << 16
+  std::int32_t window;
+
+  __device__ static item_ref of(const item_view& v, const std::uint8_t* region) {
+    return item_ref{v.base ? static_cast<std::uint32_t>(v.base - region) : 0u, static_cast<std::uint32_t>(v.kind | v.valid << 8),
+                    static_cast<std::uint32_t>(v.first_slot | v.capacity << 16), v.window};
+  }
+  __device__ int kind() const { return static_cast<int>(kind_valid & 0xff); }
+  __device__ int valid() const { return static_cast<int>(kind_valid >> 8); }
+  __device__ item_view view(const std::uint8_t* region) const {
+    return item_view{kind(), region + offset, static_cast<int>(ring >> 16), static_cast<int>(ring & 0xffff), valid(), window, 0};
+  }
+};
 
 __device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane) {
   const int started = lane.tokens > L.sinks ? (lane.tokens - L.sinks + L.window - 1) / L.window : 0;
@@ -228,9 +283,11 @@ constexpr int stages = QEVICT_DECODE_STAGES;
 template <int D>
 constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D>;
 
-/// Where a quantized item's e^{i t0 f_p} (D/2 float2) sits in its slot: behind the record.
+/// Where a quantized item's per-window key data sits in its slot, behind the record: e^{i t0 f_p}
+/// (D/2 float2) for keys stored before RoPE, the fp16 scale/zero entries of stage_key_meta
+/// (D/4 x 16 bytes) for keys stored after it.
 template <int D>
-constexpr int cs_t0_offset = 16 * row_stride<D> - (D / 2) * 8;
+constexpr int key_extra_offset = 16 * row_stride<D> - (D / 2) * 8;
 
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
@@ -264,20 +321,24 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
 /// thread owns channels 16s + {2t, 2t+1, 2t+8, 2t+9}; both members of every rotary pair (c and
 /// c + D/2, or 2m and 2m+1) then lie in one thread.
 template <int D, bool Bf16>
-__device__ __forceinline__ void score_item(const decode_layout& L, const item_view& it, const std::uint8_t* s_item,
+__device__ __forceinline__ void score_item(const decode_layout& L, int kind, const std::uint8_t* s_item,
                                            int g, int t, int lane_id, const float2* cs_j, const float2* cs_t0,
                                            const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
   c[0] = c[1] = c[2] = c[3] = 0.f;
-  if (it.kind != 2) {
+  if (kind != 2) {
     // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels).
+    // Two accumulators, so that consecutive products do not wait for each other.
     const std::uint8_t* rowp = s_item + (lane_id & 7) * row_stride<D> + (lane_id >> 3) * 16;
+    float odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < D / 16; s += 2) {
       std::uint32_t b0, b1, b2, b3;
       warp::ldmatrix_x4(rowp + s * 32, b0, b1, b2, b3);
       warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], b0, b1);
-      warp::mma_16<Bf16>(c, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
+      warp::mma_16<Bf16>(odd, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
     }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] += odd[e];
     return;
   }
   // INT2 record: codes of token g (word s holds channels 16s..16s+15, 2 bits each), per-channel
@@ -343,40 +404,119 @@ __device__ __forceinline__ void score_item(const decode_layout& L, const item_vi
   }
 }
 
-/// A fragments of V^T for one item (tokens 0-7 of the 16-token k range, or 8-15): a[i][0] =
-/// (channel 16i + g, tokens 2t, 2t+1), a[i][1] = (channel 16i + g + 8, same tokens).
-template <int D, bool Bf16>
-__device__ __forceinline__ void value_fragments(const decode_layout& L, const item_view& it, const std::uint8_t* s_item,
-                                                int g, int t, int lane_id, std::uint32_t (&a)[D / 16][2]) {
-  if (it.kind != 2) {
-    const std::uint8_t* rowp = s_item + (8 + (lane_id & 7)) * row_stride<D> + (lane_id >> 3) * 16;
+/// Key metadata of a record whose keys are stored after RoPE, rearranged once per window for
+/// score_record: for chunk s and thread column t, one 16-byte entry of fp16 pairs
+///   {4 scale, zero} of channels (16s + t, 16s + t + 8), then of channels (16s + t + 4, 16s + t + 12).
+/// Both are exact in fp16: a bf16 value has 8 significant bits (fp16 has 11), for magnitudes in
+/// fp16's range (scale <= 16376, |zero| <= 65504; below 2^-17 they round by under 2^-25).
+template <int D>
+__device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint8_t* s_item, int lane_id) {
+  if (lane_id >= D / 4) return;
+  const int s = lane_id >> 2, t = lane_id & 3;
+  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + L.key_scale_offset);
+  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + L.key_zero_offset);
+  auto pair = [&](int c0, int c1, std::uint32_t& scale4, std::uint32_t& zeros) {
+    scale4 = warp::pack_half2(4.0f * warp::bf16_bits_to_float(scale[c0]), 4.0f * warp::bf16_bits_to_float(scale[c1]));
+    zeros = warp::pack_half2(warp::bf16_bits_to_float(zero[c0]), warp::bf16_bits_to_float(zero[c1]));
+  };
+  uint4 e;
+  pair(16 * s + t, 16 * s + t + 8, e.x, e.y);
+  pair(16 * s + t + 4, 16 * s + t + 12, e.z, e.w);
+  *reinterpret_cast<uint4*>(s_item + key_extra_offset<D> + 16 * lane_id) = e;
+}
+
+/// Scores of a quantized item whose keys are stored after RoPE: c[0], c[1] = head g's scores of
+/// tokens 2t, 2t+1 against the query's high part, c[2], c[3] against its low part.
+/// In chunk s the contraction order is k = 2t, 2t+1 <-> channels 16s+t, 16s+t+8 and k = 2t+8, 2t+9
+/// <-> channels 16s+t+4, 16s+t+12 (qf holds the query in that order): shifted right by 2t, token
+/// g's code word has those channels at bits 0, 16, 8 and 24. A key is zero + scale * code, and
+/// both products go through the tensor cores exactly: scale * code as one fp16 FMA of the code
+/// placed in the mantissa of 1.0, (1 + code/4) * 4 scale - 4 scale (10 significant bits at most),
+/// and the zero as a second product whose B columns all hold the zeros.
+template <int D>
+__device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, int t,
+                                             const std::uint32_t (&qf)[D / 16][4], float (&c)[4]) {
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+  std::uint32_t cw[D / 16];
+  {
+    const uint4* p = reinterpret_cast<const uint4*>(s_item + g * (D / 4));
 #pragma unroll
-    for (int u = 0; u < D / 32; ++u) warp::ldmatrix_x4_trans(rowp + u * 64, a[2 * u][0], a[2 * u][1], a[2 * u + 1][0], a[2 * u + 1][1]);
+    for (int i = 0; i < D / 64; ++i) {
+      const uint4 u = p[i];
+      cw[4 * i] = u.x; cw[4 * i + 1] = u.y; cw[4 * i + 2] = u.z; cw[4 * i + 3] = u.w;
+    }
+  }
+  const uint4* meta = reinterpret_cast<const uint4*>(s_item + key_extra_offset<D>) + t;
+  // Four independent accumulators (codes and zeros, even and odd chunks): a chain of dependent
+  // tensor-core products would wait out each one's latency.
+  float acc[4][4] = {};
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const uint4 m = meta[4 * s];
+    const std::uint32_t x = cw[s] >> (2 * t);
+    const std::uint32_t k0 = ((x << 8) & 0x03000300u) | 0x3C003C00u;  // 1 + code/4: channels t, t + 8
+    const std::uint32_t k1 = (x & 0x03000300u) | 0x3C003C00u;         // channels t + 4, t + 12
+    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], warp::fma_half2_minus(k0, m.x),
+                  warp::fma_half2_minus(k1, m.z));
+    warp::mma_f16(acc[2 + (s & 1)], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.y, m.w);
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+}
+
+/// A fragments of V^T for an item pair: a[i][0] = (channel 16i + g, tokens 2t, 2t+1 of item a),
+/// a[i][1] = (channel 16i + g + 8, same tokens), a[i][2], a[i][3] the same of item b. The four
+/// registers of a[i] are one tensor-core operand; loading them together (one ldmatrix.x4 over both
+/// items when both hold token rows) spares the register moves that assembling it would take.
+template <int D, bool Bf16>
+__device__ __forceinline__ void value_fragments(const decode_layout& L, int kind_a, const std::uint8_t* s_a, int kind_b,
+                                                const std::uint8_t* s_b, int g, int t, int lane_id,
+                                                std::uint32_t (&a)[D / 16][4]) {
+  const int half_col = ((lane_id >> 3) & 1) * 16, row = (8 + (lane_id & 7)) * row_stride<D>;
+  if (kind_a != 2 && kind_b != 2) {
+    const std::uint8_t* rowp = ((lane_id & 16) ? s_b : s_a) + row + half_col;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x4_trans(rowp + i * 32, a[i][0], a[i][1], a[i][2], a[i][3]);
     return;
   }
-  // Codes of tokens 2t and 2t+1: word i of a token holds channels 16i..16i+15.
-  const uint4* p0 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t) * (D / 4));
-  const uint4* p1 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4));
-  std::uint32_t w0[D / 16], w1[D / 16];
+  auto one = [&](int kind, const std::uint8_t* s_item, int h) {
+    if (kind != 2) {
+      const std::uint8_t* rowp = s_item + row + half_col;
 #pragma unroll
-  for (int i = 0; i < D / 64; ++i) {
-    const uint4 u0 = p0[i], u1 = p1[i];
-    w0[4 * i] = u0.x; w0[4 * i + 1] = u0.y; w0[4 * i + 2] = u0.z; w0[4 * i + 3] = u0.w;
-    w1[4 * i] = u1.x; w1[4 * i + 1] = u1.y; w1[4 * i + 2] = u1.z; w1[4 * i + 3] = u1.w;
-  }
+      for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x2_trans(rowp + i * 32, a[i][2 * h], a[i][2 * h + 1]);
+      return;
+    }
+    // Codes of tokens 2t and 2t+1: word i of a token holds channels 16i..16i+15.
+    const uint4* p0 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t) * (D / 4));
+    const uint4* p1 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4));
+    std::uint32_t w0[D / 16], w1[D / 16];
 #pragma unroll
-  for (int i = 0; i < D / 16; ++i) {
-    // After the shift, channel g sits at bits 0-1 and channel g+8 at bits 16-17 of each token's word.
-    const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
-    a[i][0] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x5410));
-    a[i][1] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x7632));
+    for (int i = 0; i < D / 64; ++i) {
+      const uint4 u0 = p0[i], u1 = p1[i];
+      w0[4 * i] = u0.x; w0[4 * i + 1] = u0.y; w0[4 * i + 2] = u0.z; w0[4 * i + 3] = u0.w;
+      w1[4 * i] = u1.x; w1[4 * i + 1] = u1.y; w1[4 * i + 2] = u1.z; w1[4 * i + 3] = u1.w;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      // After the shift, channel g sits at bits 0-1 and channel g+8 at bits 16-17 of each token's word.
+      const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
+      a[i][2 * h] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x5410));
+      a[i][2 * h + 1] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x7632));
+    }
+  };
+  if (kind_a == 2 && kind_b == 2) {  // branch-free, so that the two items interleave
+    one(2, s_a, 0);
+    one(2, s_b, 1);
+  } else {
+    one(kind_a, s_a, 0);
+    one(kind_b, s_b, 1);
   }
 }
 
 /// Value scale and zero of tokens (2t, 2t+1) of a quantized item.
-__device__ __forceinline__ void value_meta(const decode_layout& L, const item_view& it, const std::uint8_t* s_item, int t,
+__device__ __forceinline__ void value_meta(const decode_layout& L, int kind, const std::uint8_t* s_item, int t,
                                            float2& scale, float2& zero) {
-  if (it.kind == 2) {
+  if (kind == 2) {
     const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_scale_offset + 4 * t);
     const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_zero_offset + 4 * t);
     scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
@@ -415,7 +555,7 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     }
 }
 
-template <int D, element_type E, bool EmitMass>
+template <int D, element_type E, bool EmitMass, bool RotateRecords>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
@@ -435,15 +575,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
   __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
   __shared__ float3 mlz_s[warps_per_cta][8];
-  __shared__ window_entry entries_s[max_items_per_chunk];   // this chunk's part of the window list
+  __shared__ item_ref items_s[max_items_per_chunk];         // this chunk's items, pairs padded with empty ones
 
-  const int has_sink = L.sinks > 0 ? 1 : 0;
-  const int first_entry = first_item - has_sink;  // entry index of local item 0
-  for (int li = threadIdx.x; li < chunk_items; li += blockDim.x) {
-    const int i = first_entry + li;
-    if (i >= 0 && i < lane.n_entries) entries_s[li] = A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i];
-  }
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  {
+    const head_sections at = sections_of<2>(L, region, h);
+    const window_entry* entries = A.entries + static_cast<std::size_t>(lane_index) * L.entries_per_lane;
+    for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x)
+      items_s[li] = item_ref::of(describe_item(L, at, lane, entries, 0, first_item + li, first_item + chunk_items), region);
+  }
 
   // Query of head g as A fragments: rows 0-7 its high part, rows 8-15 its low part.
   std::uint32_t qa[D / 16][4];
@@ -458,6 +598,18 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       warp::split_16<Bf16>(x1.x, x1.y, qa[s][2], qa[s][3]);
     }
   }
+  // The query in fp16 (rows 0-7 high part, rows 8-15 low part: 22 bits), in score_record's
+  // channel order (records stored after RoPE only).
+  std::uint32_t qf[D / 16][4];
+  if constexpr (!RotateRecords) {
+    const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
+    const float keep = g < G ? 1.0f : 0.0f;
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s) {
+      warp::split_16<false>(keep * q[16 * s + t], keep * q[16 * s + t + 8], qf[s][0], qf[s][1]);
+      warp::split_16<false>(keep * q[16 * s + t + 4], keep * q[16 * s + t + 12], qf[s][2], qf[s][3]);
+    }
+  }
   __syncthreads();
 
   float o[D / 16][4];
@@ -466,7 +618,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   float m_run = -INFINITY, l_run = 0.0f, z_run = 0.0f;
 
   const int n_pairs = (chunk_items + 1) / 2;
-  const int last = first_item + chunk_items;
+  auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * L.window; };
   const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
   // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
@@ -475,9 +627,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (k < my_pairs) {
       const int pair = warp_id + k * warps_per_cta;
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
-      copy_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * pair, last, h), dst, region, lane_id);
-      copy_item<D>(L, describe_item<2>(L, region, lane, entries_s, first_entry, first_item + 2 * pair + 1, last, h),
-                   dst + item_bytes<D>, region, lane_id);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) copy_item<D>(L, items_s[2 * pair + j].view(region), dst + j * item_bytes<D>, region, lane_id);
     }
     warp::cp_async_commit();
   };
@@ -488,37 +639,59 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     issue(k + stages - 1);
     const int pair = warp_id + k * warps_per_cta;
     const int li_a = 2 * pair, li_b = 2 * pair + 1;
-    const item_view ia = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_a, last, h);
-    const item_view ib = describe_item<2>(L, region, lane, entries_s, first_entry, first_item + li_b, last, h);
+    const item_ref ra = items_s[li_a], rb = items_s[li_b];
+    const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
     std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
     std::uint8_t* s_b = s_a + item_bytes<D>;
     // e^{i t0 f_p} of a quantized item, stored in its slot behind the record.
-    float2* cs_a = reinterpret_cast<float2*>(s_a + cs_t0_offset<D>);
-    float2* cs_b = reinterpret_cast<float2*>(s_b + cs_t0_offset<D>);
-    if (ia.kind == 2 || ib.kind == 2) {
+    float2* cs_a = reinterpret_cast<float2*>(s_a + key_extra_offset<D>);
+    float2* cs_b = reinterpret_cast<float2*>(s_b + key_extra_offset<D>);
+    if (RotateRecords && (kind_a == 2 || kind_b == 2)) {
       for (int p = lane_id; p < D / 2; p += 32) {
         const double f = A.inv_freq[p];
         float c, s;
-        if (ia.kind == 2) { thread::rope_cos_sin_approx(ia.t0, f, c, s); cs_a[p] = make_float2(c, s); }
-        if (ib.kind == 2) { thread::rope_cos_sin_approx(ib.t0, f, c, s); cs_b[p] = make_float2(c, s); }
+        if (kind_a == 2) { thread::rope_cos_sin_approx(first_position(ra.window), f, c, s); cs_a[p] = make_float2(c, s); }
+        if (kind_b == 2) { thread::rope_cos_sin_approx(first_position(rb.window), f, c, s); cs_b[p] = make_float2(c, s); }
       }
     }
     warp::cp_async_wait<stages - 1>();
     __syncwarp();
+    // Most pairs are two records (keys after RoPE): for them the work below is branch-free, so
+    // that the two items' independent instruction streams interleave.
+    const bool two_records = !RotateRecords && kind_a == 2 && kind_b == 2;
+    if constexpr (!RotateRecords) {
+      if (two_records) {
+        stage_key_meta<D>(L, s_a, lane_id);
+        stage_key_meta<D>(L, s_b, lane_id);
+      } else {
+        if (kind_a == 2) stage_key_meta<D>(L, s_a, lane_id);
+        if (kind_b == 2) stage_key_meta<D>(L, s_b, lane_id);
+      }
+      __syncwarp();
+    }
 
     float sa[2], sb[2];
     {
-      float c[4];
-      score_item<D, Bf16>(L, ia, s_a, g, t, lane_id, A.cs_table, cs_a, qa, c);
-      sa[0] = 2 * t < ia.valid ? c[0] + c[2] : -INFINITY;
-      sa[1] = 2 * t + 1 < ia.valid ? c[1] + c[3] : -INFINITY;
-      score_item<D, Bf16>(L, ib, s_b, g, t, lane_id, A.cs_table, cs_b, qa, c);
-      sb[0] = 2 * t < ib.valid ? c[0] + c[2] : -INFINITY;
-      sb[1] = 2 * t + 1 < ib.valid ? c[1] + c[3] : -INFINITY;
+      float ca[4], cb[4];
+      if (two_records) {
+        score_record<D>(s_a, g, t, qf, ca);
+        score_record<D>(s_b, g, t, qf, cb);
+      } else {
+        auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
+          if (!RotateRecords && kind == 2) score_record<D>(s_item, g, t, qf, c);
+          else score_item<D, Bf16>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+        };
+        score(kind_a, s_a, cs_a, ca);
+        score(kind_b, s_b, cs_b, cb);
+      }
+      sa[0] = 2 * t < valid_a ? ca[0] + ca[2] : -INFINITY;
+      sa[1] = 2 * t + 1 < valid_a ? ca[1] + ca[3] : -INFINITY;
+      sb[0] = 2 * t < valid_b ? cb[0] + cb[2] : -INFINITY;
+      sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
     }
     float2 vs_a, vz_a, vs_b, vz_b;
-    value_meta(L, ia, s_a, t, vs_a, vz_a);
-    value_meta(L, ib, s_b, t, vs_b, vz_b);
+    value_meta(L, kind_a, s_a, t, vs_a, vz_a);
+    value_meta(L, kind_b, s_b, t, vs_b, vz_b);
 
     // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
     float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
@@ -526,9 +699,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m_run, mx);
     const bool none = m_new == -INFINITY;
-    const float alpha = none ? 1.0f : exp2f(m_run - m_new);
-    const float pa0 = none ? 0.f : exp2f(sa[0] - m_new), pa1 = none ? 0.f : exp2f(sa[1] - m_new);
-    const float pb0 = none ? 0.f : exp2f(sb[0] - m_new), pb1 = none ? 0.f : exp2f(sb[1] - m_new);
+    const float alpha = none ? 1.0f : exp2_sfu(m_run - m_new);
+    const float pa0 = none ? 0.f : exp2_sfu(sa[0] - m_new), pa1 = none ? 0.f : exp2_sfu(sa[1] - m_new);
+    const float pb0 = none ? 0.f : exp2_sfu(sb[0] - m_new), pb1 = none ? 0.f : exp2_sfu(sb[1] - m_new);
     m_run = m_new;
     l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
     z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
@@ -543,24 +716,29 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         if (li_b < chunk_items) mass_s[li_b][g] = make_float2(mb, m_new);
       }
     }
-    // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1.
-    const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+    // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
+    // the first items are seen a row's maximum rarely grows, and then nothing needs rescaling.
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al1;
+        o[i][2] *= al0;
+        o[i][3] *= al1;
+      }
+    }
     // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
     // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
     std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-    std::uint32_t va[D / 16][2], vb[D / 16][2];
-    value_fragments<D, Bf16>(L, ia, s_a, g, t, lane_id, va);
-    value_fragments<D, Bf16>(L, ib, s_b, g, t, lane_id, vb);
+    std::uint32_t v[D / 16][4];
+    value_fragments<D, Bf16>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      o[i][0] *= al0;
-      o[i][1] *= al1;
-      o[i][2] *= al0;
-      o[i][3] *= al1;
-      warp::mma_16<Bf16>(o[i], va[i][0], va[i][1], vb[i][0], vb[i][1], p_hi_a, p_hi_b);
-      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], va[i][0], va[i][1], vb[i][0], vb[i][1], p_lo_a, p_lo_b);
+      warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
+      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
     }
     __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
   }
@@ -600,7 +778,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 #pragma unroll
     for (int w = 0; w < warps_per_cta; ++w) {
       const float3 mlz = mlz_s[w][hg];
-      const float f = mlz.x == -INFINITY ? 0.f : exp2f(mlz.x - M);
+      const float f = mlz.x == -INFINITY ? 0.f : exp2_sfu(mlz.x - M);
       acc += f * (o_of(w)[hg][c] + mlz.z);
       l += f * mlz.y;
     }
@@ -615,7 +793,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
       const float2 sm = mass_s[li][hg];
       A.part_mass[(bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * G + hg] =
-          sm.y == -INFINITY ? 0.f : sm.x * exp2f(sm.y - M);
+          sm.y == -INFINITY ? 0.f : sm.x * exp2_sfu(sm.y - M);
     }
   }
 }
@@ -638,16 +816,16 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       const float2 ml = A.part_ml[(row0 + c) * G + hg];
       if (ml.x == -INFINITY) continue;
       if (ml.x > M) {
-        S = S * exp2f(M - ml.x) + ml.y;
+        S = S * exp2_sfu(M - ml.x) + ml.y;
         M = ml.x;
       } else {
-        S += ml.y * exp2f(ml.x - M);
+        S += ml.y * exp2_sfu(ml.x - M);
       }
     }
     const float lse = M + log2f(S);
     for (int c = 0; c < n_chunks; ++c) {
       const float m = A.part_ml[(row0 + c) * G + hg].x;
-      factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2f(m - lse);
+      factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
     }
   }
   __syncthreads();
@@ -684,7 +862,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
-template <int D, element_type E, bool EmitMass, class Scorer>
+template <int D, element_type E, bool EmitMass, bool RotateRecords, class Scorer>
 void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
   qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
   qevict::detail::require(L.window == 8, "decode_attention: the window must be 8 tokens");
@@ -698,22 +876,25 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
                               reinterpret_cast<std::uintptr_t>(args.arena) % 16 == 0,
                           "decode_attention: regions are not 16-byte aligned; choose limits::max_tokens so that "
                           "(max_tokens - sinks + window - 1) / window is a multiple of 4");
+  // Items are kept as 32-bit offsets into their region, with 16-bit ring positions.
+  qevict::detail::require(L.region_bytes <= 0xffffffffu && L.recent_capacity < 0x10000,
+                          "decode_attention: a (sequence, layer) region must be below 4 GiB, its recent region below 65536 tokens");
   if (args.batch == 0) return;
   const int chunks = std::max(1, (max_items + args.items_per_chunk - 1) / args.items_per_chunk);
   qevict::detail::require(chunks <= args.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
-  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::cs_t0_offset<D>),
+  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::key_extra_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   static const bool smem_set = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass>,
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, RotateRecords>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)smem_set;
-  detail::decode_attention_kernel<D, E, EmitMass><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  detail::decode_attention_kernel<D, E, EmitMass, RotateRecords><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   const int blocks_x = std::max((max_items + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
@@ -733,12 +914,16 @@ void decode_attention(element_type e, const decode_layout& L, const decode_argum
                       cudaStream_t stream) {
   qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
                   "decode_attention: the cache element type must be bf16 or f16");
+  const auto with_frame = [&]<int D, element_type E>() {
+    if (L.rotate_quantized_keys) decode_attention<D, E, EmitMass, true, Scorer>(L, args, max_items, stream);
+    else decode_attention<D, E, EmitMass, false, Scorer>(L, args, max_items, stream);
+  };
   if (L.head_dim == 128) {
-    if (e == element_type::bf16) decode_attention<128, element_type::bf16, EmitMass, Scorer>(L, args, max_items, stream);
-    else decode_attention<128, element_type::f16, EmitMass, Scorer>(L, args, max_items, stream);
+    if (e == element_type::bf16) with_frame.template operator()<128, element_type::bf16>();
+    else with_frame.template operator()<128, element_type::f16>();
   } else if (L.head_dim == 64) {
-    if (e == element_type::bf16) decode_attention<64, element_type::bf16, EmitMass, Scorer>(L, args, max_items, stream);
-    else decode_attention<64, element_type::f16, EmitMass, Scorer>(L, args, max_items, stream);
+    if (e == element_type::bf16) with_frame.template operator()<64, element_type::bf16>();
+    else with_frame.template operator()<64, element_type::f16>();
   } else {
     throw error("decode_attention: head_dim must be 64 or 128");
   }

@@ -47,6 +47,13 @@ __device__ __forceinline__ std::uint32_t codes_to_half2(std::uint32_t x) {
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
 
+/// a * b - b on two fp16 lanes, rounded once (one HFMA2: the negation is an operand modifier).
+__device__ __forceinline__ std::uint32_t fma_half2_minus(std::uint32_t a, std::uint32_t b) {
+  const __half2 hb = *reinterpret_cast<const __half2*>(&b);
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&a), hb, __hneg2(hb));
+  return *reinterpret_cast<const std::uint32_t*>(&r);
+}
+
 /// The same product with bf16 inputs.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
                                          std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
@@ -124,6 +131,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(const void* smem, std::uint32_
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
+}
+
+/// Two transposed 8x8 matrices (row addresses from lanes 0-15).
+__device__ __forceinline__ void ldmatrix_x2_trans(const void* smem, std::uint32_t& r0, std::uint32_t& r1) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s) : "memory");
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(std::uint32_t lo16) { return __uint_as_float(lo16 << 16); }
