@@ -1,6 +1,7 @@
 // Times the fused decode-attention kernel (with and without window mass) for one layer of
 // Llama-3.1-8B geometry at the (batch, context, budget) points of run_peers.sh, for records with
-// keys before RoPE (the paper) and after RoPE; prints one JSON line per point. Built and run by bench/gpu/run_peers.sh next to the PyTorch peers.
+// keys before RoPE (the paper), relative to their window's start, and after RoPE; prints one JSON
+// line per point. Built and run by bench/gpu/run_peers.sh next to the PyTorch peers.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
   const geometry g = bench::llama_layer();
   using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
   auto measure = [&]<class Config>(const char* impl, int batch, int context, double f) {
     bench::decode_state s = bench::make_state<Config>(g, batch, context, f);
     const kernels::decode_arguments a = s.arguments();
@@ -38,6 +40,7 @@ int main(int argc, char** argv) {
     for (double f : budgets) {
       // The paper's records (keys before RoPE) and records with keys after RoPE: same bytes.
       measure.template operator()<config<>>("qevict", pt[0], pt[1], f);
+      if (f > 0) measure.template operator()<window_relative>("qevict_window_relative", pt[0], pt[1], f);
       if (f > 0) measure.template operator()<post_rope>("qevict_post_rope", pt[0], pt[1], f);
     }
   }

@@ -1,6 +1,7 @@
 // One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
-//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|post]
-// (BUDGET 0 = every window Full; pre|post: records keep keys before RoPE (default) or after it).
+//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post]
+// (BUDGET 0 = every window Full; the records' key frame: before RoPE (default), relative to the
+// window's start, after RoPE).
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
@@ -18,10 +19,13 @@ int main(int argc, char** argv) {
   const double f = std::atof(argv[3]);
   const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
   const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
-  const bool post = argc > 6 && std::string(argv[6]) == "post";
+  const std::string frame = argc > 6 ? argv[6] : "pre";
   const geometry g = bench::llama_layer();
   using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
-  bench::decode_state s = post ? bench::make_state<post_rope>(g, batch, context, f, ipc) : bench::make_state(g, batch, context, f, ipc);
+  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
+  bench::decode_state s = frame == "post"       ? bench::make_state<post_rope>(g, batch, context, f, ipc)
+                          : frame == "relative" ? bench::make_state<window_relative>(g, batch, context, f, ipc)
+                                                : bench::make_state(g, batch, context, f, ipc);
   const kernels::decode_arguments a = s.arguments();
   auto step = [&] { kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr); };
   if (reps == 0) {
@@ -32,7 +36,7 @@ int main(int argc, char** argv) {
   const float ms = bench::median_ms(step, 5, reps);
   std::printf("{\"impl\": \"%s\", \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
               "\"bytes\": %zu, \"tbps\": %.3f}\n",
-              post ? "qevict_post_rope" : "qevict", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
+              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
   s.release();
   return 0;
 }

@@ -19,7 +19,7 @@ done
 wait
 echo "build $(( $(date +%s) - t0 )) s" | tee -a "$sum"
 point="${POINT:-32 32768 0.2}"
-for frame in pre post; do
+for frame in pre relative post; do
   timeout 60 /tmp/kb/decode_point $point 30 64 $frame | tee -a "$sum"
 done
 if [ "${TEST:-1}" = 1 ]; then

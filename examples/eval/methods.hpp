@@ -50,6 +50,7 @@ void for_each_method(Visitor&& visit) {
     qevict::presets::for_each([&]<class Preset>(std::string_view name) {
         if constexpr (!std::same_as<typename Preset::config_type, qevict_config>) visit.template operator()<Preset>(name);
     });
+
 #else
     visit.template operator()<qevict_config::with_window<qevict::window<1, 5, 32>>>(std::string_view("r1"));
     visit.template operator()<qevict_config::with_allocator<qevict::allocators::two_tier>>(std::string_view("r2"));

@@ -43,6 +43,16 @@ struct qevict_post_rope
   static constexpr const char* source = "QEvict, arXiv 2608.05326, with KIVI's post-RoPE key frame (arXiv 2402.02750)";
   static constexpr const char* simplified = "keys are quantized after RoPE, not before it";
 };
+/// QEvict whose records keep the keys relative to their window's first token, k_rel = R(t - t0) k:
+/// the same bytes, tiers and routing; attention rotates the query once per window instead of every
+/// key (the design notes' window-relative frame). A rotary pair's outlier channel stays in its
+/// channel, as before RoPE.
+struct qevict_window_relative
+    : detail::preset<config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>> {
+  static constexpr const char* name = "qevict_window_relative";
+  static constexpr const char* source = "QEvict, arXiv 2608.05326, with keys quantized relative to their window's start";
+  static constexpr const char* simplified = "keys are quantized in the window-relative frame, not before RoPE";
+};
 /// R1: token-level routing (W = 1).
 struct r1 : detail::preset<config<>::with_window<window<1, 5, 32>>> {
   static constexpr const char* name = "r1";
@@ -196,6 +206,7 @@ template <class F>
 void for_each(F&& f) {
   f.template operator()<qevict>(std::string_view{qevict::name});
   f.template operator()<qevict_post_rope>(std::string_view{qevict_post_rope::name});
+  f.template operator()<qevict_window_relative>(std::string_view{qevict_window_relative::name});
   f.template operator()<full_kv>(std::string_view{full_kv::name});
   f.template operator()<streaming_llm>(std::string_view{streaming_llm::name});
   f.template operator()<h2o>(std::string_view{h2o::name});

@@ -1,5 +1,5 @@
 // qevict::cache<Config, backend::cuda> against the host backend (the oracle) for the paper's
-// configuration and the two-tier allocator: outputs, scores, routing tables after every event and
+// configuration, the two-tier allocator and the two other key frames of the records: outputs, scores, routing tables after every event and
 // the arenas must agree (backend_comparison.cuh says how closely). A NaN on the device is reported
 // by the next check() and leaves the cache as it was.
 //
@@ -25,6 +25,7 @@ using gpu_test::twin;
 using paper = qevict::config<>;
 using two_tier = qevict::config<>::with_allocator<allocators::two_tier>;
 using post_rope = qevict::config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+using window_relative = qevict::config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
 
 }  // namespace
 
@@ -72,6 +73,23 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") {
     CAPTURE(c.group);
     CAPTURE(c.batch);
     run_case<post_rope>(c, seed++);
+  }
+}
+
+TEST_CASE("CUDA backend: records with window-relative keys") {
+  const element_type bf = element_type::bf16, f16 = element_type::f16;
+  std::vector<case_spec> cases = {
+      {128, 4, 7, bf, budget::fraction(0.20), 700, 256, 1, rope_layout::rotate_half, true},
+      {64, 8, 32, f16, budget::fraction(0.05), 300, 256, 1, rope_layout::rotate_half, true},
+      {128, 1, 7, bf, budget::fraction(0.05), 900, 256, 2, rope_layout::interleaved, true},
+  };
+  if (quick()) cases = {{64, 4, 7, bf, budget::fraction(0.05), 300, 40, 2, rope_layout::interleaved, true}};
+  unsigned seed = 191;
+  for (const case_spec& c : cases) {
+    CAPTURE(c.head_dim);
+    CAPTURE(c.group);
+    CAPTURE(c.batch);
+    run_case<window_relative>(c, seed++);
   }
 }
 

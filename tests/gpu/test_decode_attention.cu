@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_support.cuh"
@@ -21,6 +22,8 @@ using namespace qevict;
 using cfg = qevict::config<>;
 /// The same cache with keys quantized after RoPE (attention reads them without rotating).
 using cfg_post_rope = cfg::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+/// Keys quantized relative to their window's start (attention rotates the query once per window).
+using cfg_window_relative = cfg::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
 using gpu_test::device_buffer;
 
 struct case_spec {
@@ -195,7 +198,7 @@ void run_case(const case_spec& spec, unsigned seed) {
     if (den > 0.0) worst_mass = std::max(worst_mass, num / den);
   }
   CHECK_MESSAGE(worst_mass <= 1e-3, "worst window-mass relative L1 error " << worst_mass);
-  MESSAGE("d=" << spec.head_dim << " G=" << spec.group << " batch=" << spec.batch << (spec.element == element_type::bf16 ? " bf16" : " f16")
+  MESSAGE("d=" << spec.head_dim << " G=" << spec.group << " batch=" << spec.batch << std::string(spec.element == element_type::bf16 ? " bf16" : " f16")
                << " K_f=" << kv.plan().caps.full << " K_q=" << kv.plan().caps.quantized << ": output " << worst
                << ", mass " << worst_mass);
 }
@@ -241,4 +244,21 @@ TEST_CASE("decode attention over keys quantized after RoPE matches the host back
           }
   for (int d : {64, 128})
     run_case<cfg_post_rope>(case_spec{d, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 2500}, 6000u + d);
+}
+
+TEST_CASE("decode attention over window-relative keys matches the host backend") {
+  unsigned seed = 7000;
+  for (int d : {64, 128})
+    for (int group : {1, 4, 8})
+      for (element_type e : {element_type::bf16, element_type::f16})
+        for (rope_layout layout : {rope_layout::rotate_half, rope_layout::interleaved}) {
+          const int batch = group == 4 ? 32 : 7;
+          CAPTURE(d);
+          CAPTURE(group);
+          CAPTURE(static_cast<int>(e));
+          CAPTURE(static_cast<int>(layout));
+          run_case<cfg_window_relative>(case_spec{d, group, batch, e, budget::fraction(group == 8 ? 0.05 : 0.20), layout,
+                                                  batch == 32 ? 1200 : 3000},
+                                        seed++);
+        }
 }

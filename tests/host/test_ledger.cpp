@@ -1,8 +1,8 @@
 // Migration-stable quantization (Algorithm 1, lines 9-18): a window is quantized once, on its
 // first demotion; 100 promote/demote cycles later its ledger record is bit-identical, and what
-// attention reads back is RoPE(dequantized pre-RoPE key) at the window's original positions (or
-// the dequantized key itself, for records that keep keys after RoPE) — one quantization round
-// trip, never more.
+// attention reads back is RoPE(dequantized pre-RoPE key) at the window's original positions (or,
+// for the other key frames, the dequantized key rotated by the frame's read rotation) — one
+// quantization round trip, never more.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -68,19 +68,20 @@ void check_cycles(qevict::rope_layout layout, qevict::element_type element, doub
   // What attention must see for window 0: the record decoded independently, keys rotated (in
   // double, own RoPE) to the original positions p0 + 1 + j.
   constexpr bool f32_meta = std::is_same_v<typename Quantizer::meta_type, qevict::meta::f32>;
-  // A record keeps its keys before RoPE (the paper) or after it (key_frame::after_rope).
-  constexpr bool after_rope = Quantizer::key_frame::rotated;
+  // A record keeps its keys before RoPE (the paper), after it, or relative to the window's first
+  // token: attention rotates a dequantized key by the frame's read rotation (own RoPE, in double).
+  using frame = typename Quantizer::key_frame;
+  const long long t0 = p0 + 1;
   const decoded_window dq = decode_record(record, 8, 2, 16, Quantizer::bits, f32_meta);
   std::vector<double> expected_keys(dq.keys.begin(), dq.keys.end());
-  if (!after_rope)
-    for (int j = 0; j < 8; ++j)
-      for (int h = 0; h < 2; ++h) rope_rotate(rope_spec{10000.0, layout}, 16, &expected_keys[(j * 2 + h) * 16], p0 + 1 + j);
-  // The original keys in the record's frame.
+  for (int j = 0; j < 8; ++j)
+    for (int h = 0; h < 2; ++h) rope_rotate(rope_spec{10000.0, layout}, 16, &expected_keys[(j * 2 + h) * 16], frame::read_rotation(t0, t0 + j));
+  // The original keys in the record's frame: rotated to their position, less the read rotation.
   std::vector<double> original_keys(8 * row);
   for (int j = 0; j < 8; ++j)
     for (int h = 0; h < 2; ++h) {
       for (int c = 0; c < 16; ++c) original_keys[(j * 2 + h) * 16 + c] = k[(1 + j) * row + h * 16 + c];
-      if (after_rope) rope_rotate(rope_spec{10000.0, layout}, 16, &original_keys[(j * 2 + h) * 16], p0 + 1 + j);
+      rope_rotate(rope_spec{10000.0, layout}, 16, &original_keys[(j * 2 + h) * 16], t0 + j - frame::read_rotation(t0, t0 + j));
     }
   // One round trip from the original keys: within half a scale per element (plus the float noise
   // of rotating the stored key to the record's frame).
@@ -160,4 +161,10 @@ TEST_CASE("100 demote/promote cycles: keys quantized after RoPE are read back wi
   using post_rope = qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::after_rope>;
   check_cycles<post_rope>(qevict::rope_layout::rotate_half, qevict::element_type::f32, 2e-5);
   check_cycles<post_rope>(qevict::rope_layout::interleaved, qevict::element_type::f32, 2e-5);
+}
+
+TEST_CASE("100 demote/promote cycles: window-relative keys are read back rotated by the window's start") {
+  using relative = qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::window_relative>;
+  check_cycles<relative>(qevict::rope_layout::rotate_half, qevict::element_type::f32, 2e-5);
+  check_cycles<relative>(qevict::rope_layout::interleaved, qevict::element_type::f32, 2e-5);
 }

@@ -280,7 +280,7 @@ TEST_CASE("every preset honours its budget over a random run (prefill, 250 ragge
       CHECK(sum.max_evicted > 0);  // the budget was binding
     }
   });
-  CHECK(count == 18);
+  CHECK(count == 19);
 }
 
 TEST_CASE("presets that keep everything: a budget one byte short throws qevict::error naming the minimum") {
@@ -779,8 +779,8 @@ TEST_CASE("match_budgets: one budget for every fitting preset; the others say wh
   const qevict::limits lim{.max_batch = 1, .max_tokens = 4096};
   std::vector<std::string> order;
   presets::for_each([&]<class Preset>(std::string_view name) { order.emplace_back(name); });
-  REQUIRE(order.size() == 18);
-  CHECK(std::set<std::string>(order.begin(), order.end()).size() == 18);
+  REQUIRE(order.size() == 19);
+  CHECK(std::set<std::string>(order.begin(), order.end()).size() == 19);
   const std::size_t token = 2 * 8 * 128 * 2;
   std::size_t kivi2_need = 0;
   {
@@ -815,7 +815,7 @@ TEST_CASE("match_budgets: one budget for every fitting preset; the others say wh
     const std::size_t expected = static_cast<std::size_t>(f * 4096.0 * static_cast<double>(token));
     const auto rows = check_rows(qevict::budget::fraction(f), expected, fitting);
     CHECK(fitting >= 13);
-    if (f < 0.1) CHECK(fitting < 18);  // 5% cannot keep every token quantized
+    if (f < 0.1) CHECK(fitting < 19);  // 5% cannot keep every token quantized
     for (const auto& m : rows)
       if (!m.fits) CHECK(m.why_not.find("never evicts") != std::string::npos);
   }
@@ -846,11 +846,11 @@ TEST_CASE("switching methods is one line: the same driver runs every preset thro
     const qevict::tier_counts c = kv.counts(s, 0);
     outcomes.insert({c.full, c.quantized, c.evicted, c.recent_tokens, c.sink_tokens});
   });
-  CHECK(names.size() == 18);
+  CHECK(names.size() == 19);
   CHECK(outcomes.size() >= 8);  // the compositions really differ
 }
 
-TEST_CASE("qevict_post_rope: the paper's byte plan; only the frame of the quantized keys differs") {
+TEST_CASE("qevict_post_rope, qevict_window_relative: the paper's byte plan; only the frame of the quantized keys differs") {
   qevict::geometry g;
   g.layers = 2;
   g.q_heads = 32;
@@ -862,11 +862,15 @@ TEST_CASE("qevict_post_rope: the paper's byte plan; only the frame of the quanti
     CAPTURE(f);
     const auto a = qevict::make_region_plan<presets::qevict>(g, qevict::budget::fraction(f), lim);
     const auto b = qevict::make_region_plan<presets::qevict_post_rope>(g, qevict::budget::fraction(f), lim);
-    CHECK(a.region_bytes == b.region_bytes);
-    CHECK(a.caps.full == b.caps.full);
-    CHECK(a.caps.quantized == b.caps.quantized);
-    CHECK(a.quantized_window_bytes() == b.quantized_window_bytes());
+    const auto c = qevict::make_region_plan<presets::qevict_window_relative>(g, qevict::budget::fraction(f), lim);
+    for (const auto& other : {b, c}) {
+      CHECK(a.region_bytes == other.region_bytes);
+      CHECK(a.caps.full == other.caps.full);
+      CHECK(a.caps.quantized == other.caps.quantized);
+      CHECK(a.quantized_window_bytes() == other.quantized_window_bytes());
+    }
   }
   static_assert(!presets::qevict::quantizer::key_frame::rotated);
   static_assert(presets::qevict_post_rope::quantizer::key_frame::rotated);
+  static_assert(presets::qevict_window_relative::quantizer::key_frame::read_rotation(80, 85) == 80);
 }

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "qevict/core/layout.hpp"
 #include "qevict/kernels/check.cuh"
@@ -69,6 +70,13 @@ struct window_entry {
   std::int32_t slot;
 };
 
+/// What attention does to a record's dequantized keys (from the quantizer's key frame):
+///   each_key          keys before RoPE: every key rotated to its own position;
+///   none              keys after RoPE (or no RoPE): used as they are;
+///   query_per_window  window-relative keys: the query rotated back by the window's start, once
+///                     per window, q . R(t0) k_rel = (R(t0)^T q) . k_rel.
+enum class record_rotation : int { each_key = 0, none = 1, query_per_window = 2 };
+
 /// Grid-invariant description of the byte layout (built on the host from region_plan).
 struct decode_layout {
   int kv_heads = 0, group = 0, head_dim = 0, window = 0, sinks = 0, recent_capacity = 0;
@@ -79,16 +87,15 @@ struct decode_layout {
               value_zero_offset = 0;
   int entries_per_lane = 0;
   int max_items = 0;  ///< items a lane can have: sink group + entries + recent windows
-  /// Quantized keys are stored before RoPE and are rotated to their positions in attention;
-  /// false when they are stored as attention sees them (after RoPE, or no RoPE at all).
-  bool rotate_quantized_keys = true;
+  /// How attention turns a record's dequantized keys into the query's frame.
+  record_rotation records = record_rotation::each_key;
 
-  /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records rotate their
-  /// keys in attention when `rotate_records` (see for_config).
-  static decode_layout from_plan(const region_plan& p, rope_layout pairs, bool rotate_records) {
+  /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records need
+  /// `rotation` (see for_config).
+  static decode_layout from_plan(const region_plan& p, rope_layout pairs, record_rotation rotation) {
     decode_layout d;
     d.layout = pairs;
-    d.rotate_quantized_keys = rotate_records;
+    d.records = rotation;
     d.kv_heads = p.kv_heads;
     d.group = p.q_heads / p.kv_heads;
     d.head_dim = p.head_dim;
@@ -117,7 +124,11 @@ struct decode_layout {
   /// The layout of a cache built from Config (its RoPE policy and its quantizer's key frame).
   template <class Config>
   static decode_layout for_config(const region_plan& p, rope_layout pairs) {
-    return from_plan(p, pairs, Config::rope::rotates && !Config::quantizer::key_frame::rotated);
+    using frame = typename Config::quantizer::key_frame;
+    if constexpr (!Config::rope::rotates || frame::rotated) return from_plan(p, pairs, record_rotation::none);
+    else if constexpr (std::is_same_v<frame, quantizers::key_frame::window_relative>)
+      return from_plan(p, pairs, record_rotation::query_per_window);
+    else return from_plan(p, pairs, record_rotation::each_key);
   }
 };
 
@@ -288,6 +299,9 @@ constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D>;
 /// (D/4 x 16 bytes) for keys stored after it.
 template <int D>
 constexpr int key_extra_offset = 16 * row_stride<D> - (D / 2) * 8;
+/// e^{i t0 f_p} of a window-relative record, in front of its staged key metadata.
+template <int D>
+constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
@@ -464,6 +478,44 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
 }
 
+/// The query rotated back by a window's start, R(t0)^T q, as score_record's fp16 high/low A
+/// fragments. qr holds the thread's query channels in score_record's order (qr[s] = channels
+/// 16s + t, 16s + t + 8, 16s + t + 4, 16s + t + 12), cs = e^{i t0 f_p}. With rotate_half pairs
+/// (p, p + D/2) both members lie in the thread (chunks s and s + D/32); with interleaved pairs
+/// (2m, 2m + 1) the partner is in the neighbouring thread (t ^ 1).
+template <int D>
+__device__ __forceinline__ void query_for_window(const float (&qr)[D / 16][4], const float2* cs, rope_layout layout, int t,
+                                                 std::uint32_t (&qf)[D / 16][4]) {
+  constexpr int offset[4] = {0, 8, 4, 12};
+  float x[D / 16][4];
+  if (layout == rope_layout::rotate_half) {
+#pragma unroll
+    for (int s = 0; s < D / 32; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 r = cs[16 * s + t + offset[e]];
+        const float a = qr[s][e], b = qr[s + D / 32][e];
+        x[s][e] = a * r.x + b * r.y;
+        x[s + D / 32][e] = b * r.x - a * r.y;
+      }
+  } else {
+    const float sign = (t & 1) ? -1.0f : 1.0f;  // the first member of a pair gains, the second loses
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 r = cs[(16 * s + t + offset[e]) >> 1];
+        const float partner = __shfl_xor_sync(0xffffffffu, qr[s][e], 1);
+        x[s][e] = qr[s][e] * r.x + sign * partner * r.y;
+      }
+  }
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    warp::split_16<false>(x[s][0], x[s][1], qf[s][0], qf[s][1]);
+    warp::split_16<false>(x[s][2], x[s][3], qf[s][2], qf[s][3]);
+  }
+}
+
 /// A fragments of V^T for an item pair: a[i][0] = (channel 16i + g, tokens 2t, 2t+1 of item a),
 /// a[i][1] = (channel 16i + g + 8, same tokens), a[i][2], a[i][3] the same of item b. The four
 /// registers of a[i] are one tensor-core operand; loading them together (one ldmatrix.x4 over both
@@ -555,9 +607,11 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     }
 }
 
-template <int D, element_type E, bool EmitMass, bool RotateRecords>
+template <int D, element_type E, bool EmitMass, record_rotation Records>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
+  constexpr bool RotateRecords = Records == record_rotation::each_key;
+  constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
   constexpr bool Bf16 = E == element_type::bf16;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -598,16 +652,25 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       warp::split_16<Bf16>(x1.x, x1.y, qa[s][2], qa[s][3]);
     }
   }
-  // The query in fp16 (rows 0-7 high part, rows 8-15 low part: 22 bits), in score_record's
-  // channel order (records stored after RoPE only).
+  // For records used as stored: the query in fp16 (rows 0-7 high part, rows 8-15 low part: 22
+  // bits), in score_record's channel order. For window-relative records: the query in fp32 in
+  // that order (qr), rotated per window into qf by query_for_window.
   std::uint32_t qf[D / 16][4];
+  float qr[QueryPerWindow ? D / 16 : 1][4];
   if constexpr (!RotateRecords) {
     const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
     const float keep = g < G ? 1.0f : 0.0f;
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
-      warp::split_16<false>(keep * q[16 * s + t], keep * q[16 * s + t + 8], qf[s][0], qf[s][1]);
-      warp::split_16<false>(keep * q[16 * s + t + 4], keep * q[16 * s + t + 12], qf[s][2], qf[s][3]);
+      if constexpr (QueryPerWindow) {
+        qr[s][0] = keep * q[16 * s + t];
+        qr[s][1] = keep * q[16 * s + t + 8];
+        qr[s][2] = keep * q[16 * s + t + 4];
+        qr[s][3] = keep * q[16 * s + t + 12];
+      } else {
+        warp::split_16<false>(keep * q[16 * s + t], keep * q[16 * s + t + 8], qf[s][0], qf[s][1]);
+        warp::split_16<false>(keep * q[16 * s + t + 4], keep * q[16 * s + t + 12], qf[s][2], qf[s][3]);
+      }
     }
   }
   __syncthreads();
@@ -646,7 +709,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     // e^{i t0 f_p} of a quantized item, stored in its slot behind the record.
     float2* cs_a = reinterpret_cast<float2*>(s_a + key_extra_offset<D>);
     float2* cs_b = reinterpret_cast<float2*>(s_b + key_extra_offset<D>);
-    if (RotateRecords && (kind_a == 2 || kind_b == 2)) {
+    if constexpr (QueryPerWindow) {
+      cs_a = reinterpret_cast<float2*>(s_a + window_cs_offset<D>);
+      cs_b = reinterpret_cast<float2*>(s_b + window_cs_offset<D>);
+    }
+    if ((RotateRecords || QueryPerWindow) && (kind_a == 2 || kind_b == 2)) {
       for (int p = lane_id; p < D / 2; p += 32) {
         const double f = A.inv_freq[p];
         float c, s;
@@ -674,12 +741,23 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     {
       float ca[4], cb[4];
       if (two_records) {
-        score_record<D>(s_a, g, t, qf, ca);
-        score_record<D>(s_b, g, t, qf, cb);
+        if constexpr (QueryPerWindow) {
+          query_for_window<D>(qr, cs_a, L.layout, t, qf);
+          score_record<D>(s_a, g, t, qf, ca);
+          query_for_window<D>(qr, cs_b, L.layout, t, qf);
+          score_record<D>(s_b, g, t, qf, cb);
+        } else {
+          score_record<D>(s_a, g, t, qf, ca);
+          score_record<D>(s_b, g, t, qf, cb);
+        }
       } else {
         auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
-          if (!RotateRecords && kind == 2) score_record<D>(s_item, g, t, qf, c);
-          else score_item<D, Bf16>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+          if (!RotateRecords && kind == 2) {
+            if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
+            score_record<D>(s_item, g, t, qf, c);
+          } else {
+            score_item<D, Bf16>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+          }
         };
         score(kind_a, s_a, cs_a, ca);
         score(kind_b, s_b, cs_b, cb);
@@ -862,7 +940,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
-template <int D, element_type E, bool EmitMass, bool RotateRecords, class Scorer>
+template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer>
 void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
   qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
   qevict::detail::require(L.window == 8, "decode_attention: the window must be 8 tokens");
@@ -885,16 +963,16 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
-  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::key_extra_offset<D>),
+  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   static const bool smem_set = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, RotateRecords>,
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)smem_set;
-  detail::decode_attention_kernel<D, E, EmitMass, RotateRecords><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  detail::decode_attention_kernel<D, E, EmitMass, Records><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   const int blocks_x = std::max((max_items + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
@@ -915,8 +993,13 @@ void decode_attention(element_type e, const decode_layout& L, const decode_argum
   qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
                   "decode_attention: the cache element type must be bf16 or f16");
   const auto with_frame = [&]<int D, element_type E>() {
-    if (L.rotate_quantized_keys) decode_attention<D, E, EmitMass, true, Scorer>(L, args, max_items, stream);
-    else decode_attention<D, E, EmitMass, false, Scorer>(L, args, max_items, stream);
+    switch (L.records) {
+      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer>(L, args, max_items, stream); break;
+      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer>(L, args, max_items, stream); break;
+      case record_rotation::query_per_window:
+        decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer>(L, args, max_items, stream);
+        break;
+    }
   };
   if (L.head_dim == 128) {
     if (e == element_type::bf16) with_frame.template operator()<128, element_type::bf16>();

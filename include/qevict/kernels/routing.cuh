@@ -342,11 +342,13 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(h) * L.record_head_bytes);
     if (active) {
-      // Keys: pre-RoPE, one group per channel across the window's tokens.
+      // Keys in the record's key frame, one group per channel across the window's tokens.
       float kx[W][4];
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const long long pos = first + L.sinks + static_cast<long long>(w) * W + j;
+        // The record's frame: rotated back by what attention will rotate the key by.
+        const long long t0 = first + L.sinks + static_cast<long long>(w) * W;
+        const long long pos = Q::key_frame::read_rotation(t0, t0 + j);
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
           const int c = 4 * worker + m;
@@ -460,7 +462,10 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
         int a, b;
         pair_members(L.layout, D, i, a, b);
         float x0 = record_key<Q>(R, rec, j, a), x1 = record_key<Q>(R, rec, j, b);
-        if constexpr (Rotates) rotate_pair(x0, x1, first + L.sinks + static_cast<long long>(w) * W + j, S.inv_freq[i], +1);
+        if constexpr (Rotates) {
+          const long long t0 = first + L.sinks + static_cast<long long>(w) * W;
+          rotate_pair(x0, x1, Q::key_frame::read_rotation(t0, t0 + j), S.inv_freq[i], +1);
+        }
         numeric::store(P.element, slot, key_index(D, W, h, j, a), x0);
         numeric::store(P.element, slot, key_index(D, W, h, j, b), x1);
       }

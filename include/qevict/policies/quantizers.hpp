@@ -72,6 +72,11 @@ namespace key_frame {
 struct before_rope {
   static constexpr bool rotated = false;
   static constexpr const char* name = "pre-RoPE";
+  /// The rotation (as a position) attention applies to a dequantized key of `position` in a
+  /// window starting at `window_start`.
+  QEVICT_HOST_DEVICE static constexpr long long read_rotation(long long /*window_start*/, long long position) {
+    return position;
+  }
 };
 /// After RoPE, at each token's own position (KIVI's cache): attention uses the dequantized key as
 /// it is, which takes the rotation (about half of the arithmetic per quantized key) out of the
@@ -82,6 +87,16 @@ struct before_rope {
 struct after_rope {
   static constexpr bool rotated = true;
   static constexpr const char* name = "post-RoPE";
+  QEVICT_HOST_DEVICE static constexpr long long read_rotation(long long, long long) { return 0; }
+};
+/// Relative to the window's first token, k_rel = R(t - t0) k: the rotation within the window is
+/// the same as after RoPE, but the window's common rotation R(t0) is not applied, so a rotary
+/// pair's outlier channel stays in its channel. Attention applies R(t0) once per window, to the
+/// query: q . R(t0) k_rel = (R(t0)^T q) . k_rel.
+struct window_relative {
+  static constexpr bool rotated = false;
+  static constexpr const char* name = "window-relative";
+  QEVICT_HOST_DEVICE static constexpr long long read_rotation(long long window_start, long long) { return window_start; }
 };
 }  // namespace key_frame
 
@@ -106,14 +121,15 @@ struct record_layout {
 };
 
 /// Asymmetric min-max quantization with `Bits` per code (2, 4 or 8), `Meta` scale/zero, keys in
-/// `KeyFrame` (key_frame::before_rope or key_frame::after_rope).
+/// `KeyFrame` (key_frame::before_rope, key_frame::after_rope or key_frame::window_relative).
 template <int Bits, class Meta = meta::bf16, class KeyFrame = key_frame::before_rope>
 struct asymmetric {
   static_assert(Bits == 2 || Bits == 4 || Bits == 8,
                 "qevict::quantizers::asymmetric<Bits>: Bits must be 2, 4 or 8");
-  static_assert(std::is_same_v<KeyFrame, key_frame::before_rope> || std::is_same_v<KeyFrame, key_frame::after_rope>,
-                "qevict::quantizers::asymmetric<Bits, Meta, KeyFrame>: KeyFrame must be key_frame::before_rope or "
-                "key_frame::after_rope");
+  static_assert(std::is_same_v<KeyFrame, key_frame::before_rope> || std::is_same_v<KeyFrame, key_frame::after_rope> ||
+                    std::is_same_v<KeyFrame, key_frame::window_relative>,
+                "qevict::quantizers::asymmetric<Bits, Meta, KeyFrame>: KeyFrame must be key_frame::before_rope, "
+                "key_frame::after_rope or key_frame::window_relative");
   using meta_type = Meta;
   using key_frame = KeyFrame;
   using meta_storage = typename Meta::storage;

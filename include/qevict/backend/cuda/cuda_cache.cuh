@@ -81,8 +81,8 @@ class cuda_cache {
   static_assert(W::size == 8, "qevict::backend::cuda: unsupported window policy: the CUDA kernels need W = 8 tokens per window");
   static_assert(W::sinks <= 8, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(cuda_detail::is_int2_bf16<quantizer>::value,
-                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16, key_frame::before_rope or "
-                "key_frame::after_rope> (the paper's INT2)");
+                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16, KeyFrame> (INT2 with "
+                "bf16 metadata, any key frame)");
   static_assert(!Config::selection_policy::splits_heads,
                 "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
   static_assert(!Config::full_tier_policy::quantized,
@@ -90,7 +90,7 @@ class cuda_cache {
   static_assert(scorer::token_signal != scorers::signal::value_weighted_attention,
                 "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
   static constexpr bool rotates = rope::rotates;
-  /// Whether a record's keys must be rotated to their positions (and un-rotated when quantized).
+  /// Whether a record's keys are rotated by the key frame's read rotation (and back when quantized).
   static constexpr bool records_rotate = rotates && !quantizer::key_frame::rotated;
 
  public:

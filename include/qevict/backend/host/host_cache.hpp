@@ -599,12 +599,13 @@ class host_cache {
         float* kd = k_post + (static_cast<std::size_t>(j) * hu + hl) * d;
         Q::dequantize_key(layout, record, hl, j, kd);
         Q::dequantize_value(layout, record, hl, j, v + (static_cast<std::size_t>(j) * hu + hl) * d);
-        if constexpr (!Q::key_frame::rotated) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd, window_first_position(s, w) + j);
+        if constexpr (!Q::key_frame::rotated)
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd,
+                       Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j));
       }
   }
 
-  /// Rotates post-RoPE keys [window][hu][d] of window w back to the pre-RoPE frame, in place, when
-  /// quantizer Q keeps its keys before RoPE.
+  /// Rotates post-RoPE keys [window][hu][d] of window w into quantizer Q's key frame, in place.
   template <class Q>
   void to_key_frame(sequence_id s, int w, float* k) const {
     if constexpr (Q::key_frame::rotated) return;
@@ -612,7 +613,7 @@ class host_cache {
     for (int j = 0; j < plan_.window; ++j)
       for (int hl = 0; hl < hu; ++hl)
         rope::rotate(geo_.rope.layout, inv_freq_.data(), d, k + (static_cast<std::size_t>(j) * hu + hl) * d,
-                     window_first_position(s, w) + j, -1);
+                     Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j), -1);
   }
 
   /// Copies the accessible keys (post-RoPE) and values of KV head h into keys_/values_ in token
@@ -643,7 +644,9 @@ class host_cache {
         Q::dequantize_key(layout, r, hl, j, kq);
         Q::dequantize_value(layout, r, hl, j, vq);
         for (int c = 0; c < d; ++c) kr[c] = kq[c];
-        if constexpr (!Q::key_frame::rotated) rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr, window_first_position(s, w) + j);
+        if constexpr (!Q::key_frame::rotated)
+          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr,
+                       Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j));
         push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
       }
     };
