@@ -1,5 +1,6 @@
 // The cost of a routing event against the decode steps it serves: batch 32, 32K tokens, one layer
-// of Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), the paper's config.
+// of Llama-3.1-8B geometry (32 query heads, 8 KV heads, head_dim 128, bf16), the paper's config and
+// the same config with records in the two other key frames.
 // State: the CUDA backend's own prefill (observation-window scoring, first routing) of 32 random
 // prompts; then rounds of Ω = 8 decode steps (append + attend, the decode kernel with window mass)
 // followed by one routing event for all 32 lanes (one launch of each routing kernel). CUDA events
@@ -36,7 +37,8 @@ float* upload_random(std::size_t n, unsigned seed, float sd) {
   return p;
 }
 
-void run(double fraction, int rounds, cudaStream_t st) {
+template <class Config>
+void run(const char* frame, double fraction, int rounds, cudaStream_t st) {
   const int batch = 32, context = 32768, prompt = context - 1024;
   geometry g;
   g.layers = 1;
@@ -47,7 +49,7 @@ void run(double fraction, int rounds, cudaStream_t st) {
   g.rope.theta = 500000.0f;
   options opt;
   opt.routing = routing_mode::manual;
-  backend::cuda_cache<config<>> kv(g, budget::fraction(fraction), limits{.max_batch = batch, .max_tokens = context}, opt, nullptr, 0,
+  backend::cuda_cache<Config> kv(g, budget::fraction(fraction), limits{.max_batch = batch, .max_tokens = context}, opt, nullptr, 0,
                                    backend::cuda_settings{st});
   const std::size_t krow = 8 * 128, qrow = 32 * 128;
   float* k = upload_random(static_cast<std::size_t>(prompt) * krow, 1, 1.0f);
@@ -93,7 +95,7 @@ void run(double fraction, int rounds, cudaStream_t st) {
   kv.check();
   const tier_counts c = kv.counts(seqs[0], 0);
   const float ms_steps = median(t_steps), ms_attend = median(t_attend), ms_route = median(t_route);
-  std::printf("| %d | %d | %.0f%% | %zu / %zu / %zu | %.4f | %.4f | %.4f | %.1f%% | %.1f%% |\n", batch, context, fraction * 100, c.full,
+  std::printf("| %s | %d | %d | %.0f%% | %zu / %zu / %zu | %.4f | %.4f | %.4f | %.1f%% | %.1f%% |\n", frame, batch, context, fraction * 100, c.full,
               c.quantized, c.evicted, ms_attend, ms_steps, ms_route, 100.0 * ms_route / ms_attend, 100.0 * ms_route / ms_steps);
   std::fflush(stdout);
 
@@ -126,9 +128,15 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 20;
   cudaStream_t st;
   QEVICT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  std::printf("| batch | context | budget | windows of seq 0 (full / quantized / evicted) | 8 attends [ms] | 8 × (append + attend) [ms] | routing event [ms] | routing / 8 attends | routing / 8 steps |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
-  for (double f : {0.20, 0.05}) run(f, rounds, st);
+  std::printf("| key frame | batch | context | budget | windows of seq 0 (full / quantized / evicted) | 8 attends [ms] | 8 × (append + attend) [ms] | routing event [ms] | routing / 8 attends | routing / 8 steps |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
+  using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+  for (double f : {0.20, 0.05}) {
+    run<config<>>("before RoPE (paper)", f, rounds, st);
+    run<window_relative>("window-relative", f, rounds, st);
+    run<post_rope>("after RoPE", f, rounds, st);
+  }
   cudaStreamDestroy(st);
   return 0;
 }
