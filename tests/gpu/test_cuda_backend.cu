@@ -59,39 +59,30 @@ TEST_CASE("CUDA backend: two-tier allocator") {
                      77);
 }
 
-TEST_CASE("CUDA backend: records with keys quantized after RoPE") {
+namespace {
+/// The same three runs for a config whose records keep their keys in another key frame; the quick
+/// set takes one case, with `quick_layout`.
+template <class Config>
+void run_key_frame_cases(unsigned seed, rope_layout quick_layout) {
   const element_type bf = element_type::bf16, f16 = element_type::f16;
   std::vector<case_spec> cases = {
       {128, 4, 7, bf, budget::fraction(0.20), 700, 256, 1, rope_layout::rotate_half, true},
       {64, 8, 32, f16, budget::fraction(0.05), 300, 256, 1, rope_layout::rotate_half, true},
       {128, 1, 7, bf, budget::fraction(0.05), 900, 256, 2, rope_layout::interleaved, true},
   };
-  if (quick()) cases = {{64, 4, 7, bf, budget::fraction(0.05), 300, 40, 2, rope_layout::rotate_half, true}};
-  unsigned seed = 91;
+  if (quick()) cases = {{64, 4, 7, bf, budget::fraction(0.05), 300, 40, 2, quick_layout, true}};
   for (const case_spec& c : cases) {
     CAPTURE(c.head_dim);
     CAPTURE(c.group);
     CAPTURE(c.batch);
-    run_case<post_rope>(c, seed++);
+    run_case<Config>(c, seed++);
   }
 }
+}  // namespace
 
-TEST_CASE("CUDA backend: records with window-relative keys") {
-  const element_type bf = element_type::bf16, f16 = element_type::f16;
-  std::vector<case_spec> cases = {
-      {128, 4, 7, bf, budget::fraction(0.20), 700, 256, 1, rope_layout::rotate_half, true},
-      {64, 8, 32, f16, budget::fraction(0.05), 300, 256, 1, rope_layout::rotate_half, true},
-      {128, 1, 7, bf, budget::fraction(0.05), 900, 256, 2, rope_layout::interleaved, true},
-  };
-  if (quick()) cases = {{64, 4, 7, bf, budget::fraction(0.05), 300, 40, 2, rope_layout::interleaved, true}};
-  unsigned seed = 191;
-  for (const case_spec& c : cases) {
-    CAPTURE(c.head_dim);
-    CAPTURE(c.group);
-    CAPTURE(c.batch);
-    run_case<window_relative>(c, seed++);
-  }
-}
+TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_frame_cases<post_rope>(91, rope_layout::rotate_half); }
+
+TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
 TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   geometry g;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
@@ -205,9 +206,10 @@ void run_case(const case_spec& spec, unsigned seed) {
 
 }  // namespace
 
-TEST_CASE("decode attention matches the host backend") {
-  const budget budgets[] = {budget::everything(), budget::fraction(1.0), budget::fraction(0.20), budget::fraction(0.05)};
-  unsigned seed = 1;
+namespace {
+/// Every head_dim x GQA ratio x batch x element type x budget, rotate_half pairs.
+template <class Config>
+void run_grid(std::initializer_list<budget> budgets, unsigned seed) {
   for (int d : {64, 128})
     for (int group : {1, 4, 8})
       for (int batch : {1, 7, 32})
@@ -219,8 +221,13 @@ TEST_CASE("decode attention matches the host backend") {
             CAPTURE(static_cast<int>(e));
             CAPTURE(static_cast<int>(b.what()));
             CAPTURE(b.fraction_value());
-            run_case(case_spec{d, group, batch, e, b, rope_layout::rotate_half, batch == 32 ? 1200 : 3000}, seed++);
+            run_case<Config>(case_spec{d, group, batch, e, b, rope_layout::rotate_half, batch == 32 ? 1200 : 3000}, seed++);
           }
+}
+}  // namespace
+
+TEST_CASE("decode attention matches the host backend") {
+  run_grid<cfg>({budget::everything(), budget::fraction(1.0), budget::fraction(0.20), budget::fraction(0.05)}, 1);
 }
 
 TEST_CASE("decode attention with interleaved rotary pairs") {
@@ -228,25 +235,14 @@ TEST_CASE("decode attention with interleaved rotary pairs") {
 }
 
 TEST_CASE("decode attention over keys quantized after RoPE matches the host backend") {
-  const budget budgets[] = {budget::fraction(0.20), budget::fraction(0.05)};
-  unsigned seed = 5000;
-  for (int d : {64, 128})
-    for (int group : {1, 4, 8})
-      for (int batch : {1, 7, 32})
-        for (element_type e : {element_type::bf16, element_type::f16})
-          for (const budget& b : budgets) {
-            CAPTURE(d);
-            CAPTURE(group);
-            CAPTURE(batch);
-            CAPTURE(static_cast<int>(e));
-            CAPTURE(b.fraction_value());
-            run_case<cfg_post_rope>(case_spec{d, group, batch, e, b, rope_layout::rotate_half, batch == 32 ? 1200 : 3000}, seed++);
-          }
+  run_grid<cfg_post_rope>({budget::fraction(0.20), budget::fraction(0.05)}, 5000);
   for (int d : {64, 128})
     run_case<cfg_post_rope>(case_spec{d, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 2500}, 6000u + d);
 }
 
 TEST_CASE("decode attention over window-relative keys matches the host backend") {
+  // Both rotary layouts (the query's rotation per window pairs channels differently), one batch
+  // and budget per GQA ratio.
   unsigned seed = 7000;
   for (int d : {64, 128})
     for (int group : {1, 4, 8})

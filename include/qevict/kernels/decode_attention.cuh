@@ -329,6 +329,21 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
   }
 }
 
+/// One token's INT2 code words from shared memory (16-byte loads): word i holds channels
+/// 16i..16i+15, 2 bits each, channel 16i + j at bits 2j.
+template <int D>
+__device__ __forceinline__ void load_code_words(const std::uint8_t* token_codes, std::uint32_t (&w)[D / 16]) {
+  const uint4* p = reinterpret_cast<const uint4*>(token_codes);
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {
+    const uint4 u = p[i];
+    w[4 * i] = u.x;
+    w[4 * i + 1] = u.y;
+    w[4 * i + 2] = u.z;
+    w[4 * i + 3] = u.w;
+  }
+}
+
 /// Scores of one item for the thread: c[0], c[1] = head g's scores of tokens 2t, 2t+1 against the
 /// query's high part, c[2], c[3] against its low part (their sum is the score).
 /// The contraction index is the channel: chunk s holds channels 16s..16s+15 in mma order, so the
@@ -358,14 +373,7 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
   // INT2 record: codes of token g (word s holds channels 16s..16s+15, 2 bits each), per-channel
   // scale and zero; dequantize in fp32, rotate to position t0 + g, split into high and low parts.
   std::uint32_t cw[D / 16];
-  {
-    const uint4* p = reinterpret_cast<const uint4*>(s_item + g * (D / 4));
-#pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
-      const uint4 u = p[i];
-      cw[4 * i] = u.x; cw[4 * i + 1] = u.y; cw[4 * i + 2] = u.z; cw[4 * i + 3] = u.w;
-    }
-  }
+  load_code_words<D>(s_item + g * (D / 4), cw);
   const std::uint8_t* ks = s_item + L.key_scale_offset;
   const std::uint8_t* kz = s_item + L.key_zero_offset;
   float x[D / 16][4];
@@ -452,14 +460,7 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
                                              const std::uint32_t (&qf)[D / 16][4], float (&c)[4]) {
   c[0] = c[1] = c[2] = c[3] = 0.f;
   std::uint32_t cw[D / 16];
-  {
-    const uint4* p = reinterpret_cast<const uint4*>(s_item + g * (D / 4));
-#pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
-      const uint4 u = p[i];
-      cw[4 * i] = u.x; cw[4 * i + 1] = u.y; cw[4 * i + 2] = u.z; cw[4 * i + 3] = u.w;
-    }
-  }
+  load_code_words<D>(s_item + g * (D / 4), cw);
   const uint4* meta = reinterpret_cast<const uint4*>(s_item + key_extra_offset<D>) + t;
   // Four independent accumulators (codes and zeros, even and odd chunks): a chain of dependent
   // tensor-core products would wait out each one's latency.
@@ -539,15 +540,9 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
       return;
     }
     // Codes of tokens 2t and 2t+1: word i of a token holds channels 16i..16i+15.
-    const uint4* p0 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t) * (D / 4));
-    const uint4* p1 = reinterpret_cast<const uint4*>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4));
     std::uint32_t w0[D / 16], w1[D / 16];
-#pragma unroll
-    for (int i = 0; i < D / 64; ++i) {
-      const uint4 u0 = p0[i], u1 = p1[i];
-      w0[4 * i] = u0.x; w0[4 * i + 1] = u0.y; w0[4 * i + 2] = u0.z; w0[4 * i + 3] = u0.w;
-      w1[4 * i] = u1.x; w1[4 * i + 1] = u1.y; w1[4 * i + 2] = u1.z; w1[4 * i + 3] = u1.w;
-    }
+    load_code_words<D>(s_item + L.value_codes_offset + (2 * t) * (D / 4), w0);
+    load_code_words<D>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4), w1);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       // After the shift, channel g sits at bits 0-1 and channel g+8 at bits 16-17 of each token's word.
