@@ -1,5 +1,5 @@
 // Google Benchmark: the fused decode-attention kernel (attention + split-K merge, with and without
-// window mass), one layer of Llama-3.1-8B geometry. Manual time from CUDA events, L2 flushed
+// window mass), one layer of Llama-3.1-8B geometry, for records in each key frame. Manual time from CUDA events, L2 flushed
 // before each iteration; run with --benchmark_repetitions=N --benchmark_report_aggregates_only for
 // medians. Bytes/s counts the cache bytes one step reads.
 #include <benchmark/benchmark.h>
@@ -8,7 +8,13 @@
 
 namespace {
 
-template <bool EmitMass>
+using paper = qevict::config<>;
+using window_relative =
+    paper::with_quantizer<qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::window_relative>>;
+using post_rope = paper::with_quantizer<qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::after_rope>>;
+
+/// One decode step for a cache of Config (its records' key frame decides the kernel's INT2 path).
+template <bool EmitMass, class Config>
 void decode_step(benchmark::State& st) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -18,7 +24,7 @@ void decode_step(benchmark::State& st) {
   const int batch = static_cast<int>(st.range(0)), context = static_cast<int>(st.range(1));
   const double fraction = static_cast<double>(st.range(2)) / 100.0;
   const qevict::geometry g = bench::llama_layer();
-  bench::decode_state s = bench::make_state(g, batch, context, fraction);
+  bench::decode_state s = bench::make_state<Config>(g, batch, context, fraction);
   const qevict::kernels::decode_arguments a = s.arguments();
   for (auto _ : st) {
     const float ms = bench::median_ms([&] {
@@ -39,8 +45,10 @@ void points(benchmark::internal::Benchmark* b) {
   b->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
-BENCHMARK(decode_step<true>)->Apply(points);
-BENCHMARK(decode_step<false>)->Apply(points);
+BENCHMARK(decode_step<true, paper>)->Apply(points);
+BENCHMARK(decode_step<false, paper>)->Apply(points);
+BENCHMARK(decode_step<true, window_relative>)->Apply(points);
+BENCHMARK(decode_step<true, post_rope>)->Apply(points);
 
 }  // namespace
 
