@@ -169,11 +169,12 @@ struct layer_defensivekv : detail::preset<defensivekv::config_type> {
 /// KIVI: everything outside the full-precision residual (128 tokens) quantized in groups of 32
 /// tokens, keys per channel and values per token; nothing evicted.
 template <int Bits>
-struct kivi : detail::preset<config<scorers::cumulative_mass, quantizers::asymmetric<Bits>, window<32, 0, 128>,
-                                    allocators::quantize_all>> {
+struct kivi : detail::preset<config<scorers::cumulative_mass, quantizers::asymmetric<Bits, meta::bf16, quantizers::key_frame::after_rope>,
+                                    window<32, 0, 128>, allocators::quantize_all>> {
   static constexpr const char* name = Bits == 2 ? "kivi2" : "kivi4";
   static constexpr const char* source = "Liu et al., KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache, ICML 2024";
-  static constexpr const char* simplified = "keys are quantized before RoPE (KIVI quantizes them after)";
+  static constexpr const char* simplified =
+      "the full-precision residual advances in groups of 32 tokens at routing events (every 8 steps), so it holds 128 to 167 tokens";
 };
 using kivi2 = kivi<2>;
 using kivi4 = kivi<4>;
