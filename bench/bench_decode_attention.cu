@@ -8,10 +8,9 @@
 
 namespace {
 
-using paper = qevict::config<>;
-using window_relative =
-    paper::with_quantizer<qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::window_relative>>;
-using post_rope = paper::with_quantizer<qevict::quantizers::asymmetric<2, qevict::meta::bf16, qevict::quantizers::key_frame::after_rope>>;
+using bench::paper;
+using bench::post_rope;
+using bench::window_relative;
 
 /// One decode step for a cache of Config (its records' key frame decides the kernel's INT2 path).
 template <bool EmitMass, class Config>

@@ -19,8 +19,6 @@ int main(int argc, char** argv) {
   const double budgets[] = {0.20, 0.10, 0.05, 0.0};
   const int reps = argc > 1 ? std::atoi(argv[1]) : 30;
   const geometry g = bench::llama_layer();
-  using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
-  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
   auto measure = [&]<class Config>(const char* impl, int batch, int context, double f) {
     bench::decode_state s = bench::make_state<Config>(g, batch, context, f);
     const kernels::decode_arguments a = s.arguments();
@@ -39,9 +37,9 @@ int main(int argc, char** argv) {
   for (const auto& pt : points) {
     for (double f : budgets) {
       // The paper's records (keys before RoPE) and records with keys after RoPE: same bytes.
-      measure.template operator()<config<>>("qevict", pt[0], pt[1], f);
-      if (f > 0) measure.template operator()<window_relative>("qevict_window_relative", pt[0], pt[1], f);
-      if (f > 0) measure.template operator()<post_rope>("qevict_post_rope", pt[0], pt[1], f);
+      measure.template operator()<bench::paper>("qevict", pt[0], pt[1], f);
+      if (f > 0) measure.template operator()<bench::window_relative>("qevict_window_relative", pt[0], pt[1], f);
+      if (f > 0) measure.template operator()<bench::post_rope>("qevict_post_rope", pt[0], pt[1], f);
     }
   }
   return 0;

@@ -21,10 +21,8 @@ int main(int argc, char** argv) {
   const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
   const std::string frame = argc > 6 ? argv[6] : "pre";
   const geometry g = bench::llama_layer();
-  using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
-  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
-  bench::decode_state s = frame == "post"       ? bench::make_state<post_rope>(g, batch, context, f, ipc)
-                          : frame == "relative" ? bench::make_state<window_relative>(g, batch, context, f, ipc)
+  bench::decode_state s = frame == "post"       ? bench::make_state<bench::post_rope>(g, batch, context, f, ipc)
+                          : frame == "relative" ? bench::make_state<bench::window_relative>(g, batch, context, f, ipc)
                                                 : bench::make_state(g, batch, context, f, ipc);
   const kernels::decode_arguments a = s.arguments();
   auto step = [&] { kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr); };

@@ -12,11 +12,17 @@
 #include <vector>
 
 #include "qevict/cache.hpp"
+#include "qevict/presets.hpp"
 #include "qevict/kernels/decode_attention.cuh"
 
 namespace bench {
 
 using namespace qevict;
+
+/// The paper's cache and the same cache with records in the two other key frames.
+using paper = config<>;
+using window_relative = presets::qevict_window_relative::config_type;
+using post_rope = presets::qevict_post_rope::config_type;
 
 // Finite bf16 values in [-1, 1] everywhere: every byte of the arena is then valid as a token row,
 // a code or a bf16 metadata word.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "qevict/backend/cuda.cuh"
+#include "qevict/presets.hpp"
 
 using namespace qevict;
 
@@ -130,8 +131,8 @@ int main(int argc, char** argv) {
   QEVICT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::printf("| key frame | batch | context | budget | windows of seq 0 (full / quantized / evicted) | 8 attends [ms] | 8 × (append + attend) [ms] | routing event [ms] | routing / 8 attends | routing / 8 steps |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
-  using window_relative = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
-  using post_rope = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+  using window_relative = presets::qevict_window_relative::config_type;
+  using post_rope = presets::qevict_post_rope::config_type;
   for (double f : {0.20, 0.05}) {
     run<config<>>("before RoPE (paper)", f, rounds, st);
     run<window_relative>("window-relative", f, rounds, st);

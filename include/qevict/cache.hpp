@@ -39,7 +39,8 @@ class cache {
                 "prefill_pooling, initial_score(int), accumulate(float, float), after_routing(float))");
   static_assert(quantizer_policy<typename Config::quantizer>,
                 "qevict::cache: Config::quantizer does not model qevict::quantizer_policy "
-                "(needs bits, layout(tokens, heads, dim), quantize, dequantize_key, dequantize_value)");
+                "(needs bits, key_frame (rotated, read_rotation), layout(tokens, heads, dim), quantize, dequantize_key, "
+                "dequantize_value)");
   static_assert(
       window_policy<typename Config::window_policy>,
       "qevict::cache: Config::window_policy does not model qevict::window_policy (needs size >= 1, sinks, recent)");

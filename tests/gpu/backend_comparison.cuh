@@ -29,6 +29,7 @@
 #include "gpu_support.cuh"
 #include "qevict/backend/cuda.cuh"
 #include "qevict/cache.hpp"
+#include "qevict/presets.hpp"
 
 namespace gpu_test {
 

@@ -24,8 +24,8 @@ using gpu_test::run_case;
 using gpu_test::twin;
 using paper = qevict::config<>;
 using two_tier = qevict::config<>::with_allocator<allocators::two_tier>;
-using post_rope = qevict::config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
-using window_relative = qevict::config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
+using post_rope = presets::qevict_post_rope::config_type;
+using window_relative = presets::qevict_window_relative::config_type;
 
 }  // namespace
 

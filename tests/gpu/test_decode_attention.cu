@@ -16,15 +16,16 @@
 #include "gpu_support.cuh"
 #include "qevict/cache.hpp"
 #include "qevict/kernels/decode_attention.cuh"
+#include "qevict/presets.hpp"
 
 namespace {
 
 using namespace qevict;
 using cfg = qevict::config<>;
 /// The same cache with keys quantized after RoPE (attention reads them without rotating).
-using cfg_post_rope = cfg::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::after_rope>>;
+using cfg_post_rope = presets::qevict_post_rope::config_type;
 /// Keys quantized relative to their window's start (attention rotates the query once per window).
-using cfg_window_relative = cfg::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
+using cfg_window_relative = presets::qevict_window_relative::config_type;
 using gpu_test::device_buffer;
 
 struct case_spec {

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,6 +38,38 @@ void expect_same_state(const A& a, const B& b, const std::vector<qevict::sequenc
     }
 }
 
+/// Drives two caches with the same inputs: a prompt of each length (the sequence added at first
+/// position `first_position(n)`; every prefill output must agree), then `steps` decode steps of
+/// every layer for all of them. Returns the number of steps whose outputs differed.
+template <class A, class B, class FirstPosition>
+int run_in_lockstep(A& a, B& b, std::initializer_list<int> prompts, int steps, rng& r, FirstPosition first_position,
+                    std::vector<qevict::sequence_id>& ids) {
+  for (int n : prompts) {
+    const qevict::sequence_id s = a.add_sequence(first_position(n));
+    REQUIRE(b.add_sequence(first_position(n)) == s);
+    ids.push_back(s);
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto q = r.normals(n * qrow), k = r.normals(n * krow), v = r.normals(n * krow);
+      std::vector<float> oa(n * qrow), ob(n * qrow);
+      a.prefill(l, s, q, k, v, oa);
+      b.prefill(l, s, q, k, v, ob);
+      CHECK(oa == ob);
+    }
+  }
+  int differing_steps = 0;
+  for (int t = 0; t < steps; ++t)
+    for (int l = 0; l < geo.layers; ++l) {
+      const auto k = r.normals(2 * krow), v = r.normals(2 * krow), q = r.normals(2 * qrow, 2.0f);
+      std::vector<float> oa(2 * qrow), ob(2 * qrow);
+      a.append(l, ids, k, v);
+      b.append(l, ids, k, v);
+      a.attend(l, ids, q, oa);
+      b.attend(l, ids, q, ob);
+      differing_steps += oa != ob;
+    }
+  return differing_steps;
+}
+
 }  // namespace
 
 TEST_CASE("external storage gives results identical to owned storage") {
@@ -51,30 +84,7 @@ TEST_CASE("external storage gives results identical to owned storage") {
   cache_t external(geo, budget, lim, qevict::storage::external{arena.get(), bytes});
   rng r(17);
   std::vector<qevict::sequence_id> ids;
-  for (int n : {150, 40}) {
-    const qevict::sequence_id s = owned.add_sequence(n);
-    REQUIRE(external.add_sequence(n) == s);
-    ids.push_back(s);
-    for (int l = 0; l < geo.layers; ++l) {
-      const auto q = r.normals(n * qrow), k = r.normals(n * krow), v = r.normals(n * krow);
-      std::vector<float> oa(n * qrow), ob(n * qrow);
-      owned.prefill(l, s, q, k, v, oa);
-      external.prefill(l, s, q, k, v, ob);
-      CHECK(oa == ob);
-    }
-  }
-  int differing_steps = 0;
-  for (int t = 0; t < 250; ++t)
-    for (int l = 0; l < geo.layers; ++l) {
-      const auto k = r.normals(2 * krow), v = r.normals(2 * krow), q = r.normals(2 * qrow, 2.0f);
-      std::vector<float> oa(2 * qrow), ob(2 * qrow);
-      owned.append(l, ids, k, v);
-      external.append(l, ids, k, v);
-      owned.attend(l, ids, q, oa);
-      external.attend(l, ids, q, ob);
-      differing_steps += oa != ob;
-    }
-  CHECK(differing_steps == 0);
+  CHECK(run_in_lockstep(owned, external, {150, 40}, 250, r, [](int n) { return static_cast<long long>(n); }, ids) == 0);
   expect_same_state(owned, external, ids);
   CHECK(owned.counts(ids[0], 0).quantized > 0);  // the run used the ledger too
   for (int w = 0; w < 20; ++w) {
@@ -109,30 +119,7 @@ TEST_CASE("regions from an engine allocator give results identical to owned stor
   CHECK(sizes[0] + sizes[1] == cache_t::required_bytes(geo, budget, lim) / 2);
   rng r(23);
   std::vector<qevict::sequence_id> ids;
-  for (int n : {120, 30}) {
-    const qevict::sequence_id s = owned.add_sequence();
-    REQUIRE(paged.add_sequence() == s);
-    ids.push_back(s);
-    for (int l = 0; l < geo.layers; ++l) {
-      const auto q = r.normals(n * qrow), k = r.normals(n * krow), v = r.normals(n * krow);
-      std::vector<float> oa(n * qrow), ob(n * qrow);
-      owned.prefill(l, s, q, k, v, oa);
-      paged.prefill(l, s, q, k, v, ob);
-      CHECK(oa == ob);
-    }
-  }
-  int differing_steps = 0;
-  for (int t = 0; t < 150; ++t)
-    for (int l = 0; l < geo.layers; ++l) {
-      const auto k = r.normals(2 * krow), v = r.normals(2 * krow), q = r.normals(2 * qrow, 2.0f);
-      std::vector<float> oa(2 * qrow), ob(2 * qrow);
-      owned.append(l, ids, k, v);
-      paged.append(l, ids, k, v);
-      owned.attend(l, ids, q, oa);
-      paged.attend(l, ids, q, ob);
-      differing_steps += oa != ob;
-    }
-  CHECK(differing_steps == 0);
+  CHECK(run_in_lockstep(owned, paged, {120, 30}, 150, r, [](int) { return 0LL; }, ids) == 0);
   expect_same_state(owned, paged, ids);
 
   // A provider that fails is refused at construction, with the region it failed on.

@@ -260,6 +260,13 @@ qevict::sequence_id prefill_prompt(Cache& kv, const prompt& p) {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+/// `layers` layers of Llama-3.1-8B geometry, bf16.
+qevict::geometry llama_8b(int layers) {
+  qevict::geometry g{.layers = layers, .q_heads = 32, .kv_heads = 8, .head_dim = 128, .element = qevict::element_type::bf16};
+  g.rope.theta = 500000.0f;
+  return g;
+}
+
 }  // namespace
 
 // ---- every preset ------------------------------------------------------------------------------
@@ -769,13 +776,7 @@ TEST_CASE("layer_defensivekv with budget::with_layer_shares: per-layer budgets, 
 }
 
 TEST_CASE("match_budgets: one budget for every fitting preset; the others say why") {
-  qevict::geometry g;  // one Llama-3.1-8B layer, bf16
-  g.layers = 32;
-  g.q_heads = 32;
-  g.kv_heads = 8;
-  g.head_dim = 128;
-  g.element = qevict::element_type::bf16;
-  g.rope.theta = 500000.0f;
+  const qevict::geometry g = llama_8b(32);
   const qevict::limits lim{.max_batch = 1, .max_tokens = 4096};
   std::vector<std::string> order;
   presets::for_each([&]<class Preset>(std::string_view name) { order.emplace_back(name); });
@@ -851,12 +852,7 @@ TEST_CASE("switching methods is one line: the same driver runs every preset thro
 }
 
 TEST_CASE("qevict_post_rope, qevict_window_relative: the paper's byte plan; only the frame of the quantized keys differs") {
-  qevict::geometry g;
-  g.layers = 2;
-  g.q_heads = 32;
-  g.kv_heads = 8;
-  g.head_dim = 128;
-  g.element = qevict::element_type::bf16;
+  const qevict::geometry g = llama_8b(2);
   const qevict::limits lim{.max_batch = 4, .max_tokens = 8192};
   for (double f : {0.05, 0.10, 0.20, 0.50}) {
     CAPTURE(f);

@@ -29,6 +29,7 @@ concept quantizer_policy = requires(const quantizers::record_layout& L, const fl
                                     const std::uint8_t* crec, float* out, int i) {
   { Q::bits } -> std::convertible_to<int>;
   { Q::key_frame::rotated } -> std::convertible_to<bool>;
+  { Q::key_frame::read_rotation(0LL, 0LL) } -> std::convertible_to<long long>;
   { Q::layout(i, i, i) } -> std::same_as<quantizers::record_layout>;
   Q::quantize(L, x, x, rec);
   Q::dequantize_key(L, crec, i, i, out);

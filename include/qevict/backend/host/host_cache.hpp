@@ -599,21 +599,26 @@ class host_cache {
         float* kd = k_post + (static_cast<std::size_t>(j) * hu + hl) * d;
         Q::dequantize_key(layout, record, hl, j, kd);
         Q::dequantize_value(layout, record, hl, j, v + (static_cast<std::size_t>(j) * hu + hl) * d);
-        if constexpr (!Q::key_frame::rotated)
-          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kd,
-                       Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j));
+        read_rotate<Q>(s, w, j, kd);
       }
+  }
+
+  /// Rotates a dequantized key of token j of window w by quantizer Q's read rotation (direction
+  /// +1), or a post-RoPE key back into Q's key frame (direction -1), in place.
+  template <class Q, class T>
+  void read_rotate(sequence_id s, int w, int j, T* k, int direction = +1) const {
+    if constexpr (!Q::key_frame::rotated) {
+      const long long t0 = window_first_position(s, w);
+      rope::rotate(geo_.rope.layout, inv_freq_.data(), geo_.head_dim, k, Q::key_frame::read_rotation(t0, t0 + j), direction);
+    }
   }
 
   /// Rotates post-RoPE keys [window][hu][d] of window w into quantizer Q's key frame, in place.
   template <class Q>
   void to_key_frame(sequence_id s, int w, float* k) const {
-    if constexpr (Q::key_frame::rotated) return;
     const int d = geo_.head_dim, hu = plan_.heads_per_unit;
     for (int j = 0; j < plan_.window; ++j)
-      for (int hl = 0; hl < hu; ++hl)
-        rope::rotate(geo_.rope.layout, inv_freq_.data(), d, k + (static_cast<std::size_t>(j) * hu + hl) * d,
-                     Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j), -1);
+      for (int hl = 0; hl < hu; ++hl) read_rotate<Q>(s, w, j, k + (static_cast<std::size_t>(j) * hu + hl) * d, -1);
   }
 
   /// Copies the accessible keys (post-RoPE) and values of KV head h into keys_/values_ in token
@@ -644,9 +649,7 @@ class host_cache {
         Q::dequantize_key(layout, r, hl, j, kq);
         Q::dequantize_value(layout, r, hl, j, vq);
         for (int c = 0; c < d; ++c) kr[c] = kq[c];
-        if constexpr (!Q::key_frame::rotated)
-          rope::rotate(geo_.rope.layout, inv_freq_.data(), d, kr,
-                       Q::key_frame::read_rotation(window_first_position(s, w), window_first_position(s, w) + j));
+        read_rotate<Q>(s, w, j, kr);
         push(first + j, [&](int c) { return kr[c]; }, [&](int c) { return static_cast<double>(vq[c]); });
       }
     };
