@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <qevict/backend/cuda/supports.hpp>
 #include <qevict/cache.hpp>
 #include <qevict/presets.hpp>
 
@@ -869,4 +870,38 @@ TEST_CASE("qevict_post_rope, qevict_window_relative: the paper's byte plan; only
   static_assert(!presets::qevict::quantizer::key_frame::rotated);
   static_assert(presets::qevict_post_rope::quantizer::key_frame::rotated);
   static_assert(presets::qevict_window_relative::quantizer::key_frame::read_rotation(80, 85) == 80);
+}
+
+TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the policy that keeps each other one on the host") {
+  using qevict::backend::cuda_support;
+  std::set<std::string> on_cuda;
+  presets::for_each([&]<class Preset>(std::string_view name) {
+    if constexpr (qevict::backend::cuda_supports<typename Preset::config_type>) on_cuda.insert(std::string(name));
+  });
+  // docs/policies.md, "Backends".
+  CHECK(on_cuda == std::set<std::string>{"qevict", "qevict_post_rope", "qevict_window_relative", "full_kv", "streaming_llm", "h2o",
+                                         "snapkv", "kivi2", "r2", "r3", "r4"});
+  // The reasons the others stay on the host backend.
+  using adakv = cuda_support<presets::adakv::config_type>;
+  CHECK_FALSE(adakv::selection);
+  CHECK(adakv::quantizer);
+  using criticalkv = cuda_support<presets::criticalkv::config_type>;
+  CHECK_FALSE(criticalkv::selection);
+  CHECK_FALSE(criticalkv::scorer);
+  CHECK_FALSE(cuda_support<presets::defensivekv::config_type>::selection);
+  CHECK_FALSE(cuda_support<presets::layer_defensivekv::config_type>::selection);
+  CHECK_FALSE(cuda_support<presets::kivi4::config_type>::quantizer);
+  CHECK_FALSE(cuda_support<presets::kvquant_like::config_type>::quantizer);
+  using zipcache = cuda_support<presets::zipcache_like::config_type>;
+  CHECK(zipcache::quantizer);  // its 2-bit tier
+  CHECK_FALSE(zipcache::full_tier);
+  using r1 = cuda_support<presets::r1::config_type>;  // W = 1 with quantized records
+  CHECK_FALSE(r1::short_windows);
+  CHECK(r1::quantizer);
+  CHECK(r1::selection);
+  // The same rule on compositions: W < 8 runs with two tiers, not with records.
+  using qevict::config;
+  CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>::with_allocator<qevict::allocators::two_tier>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>>);
+  CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<16, 5, 32>>>);
 }

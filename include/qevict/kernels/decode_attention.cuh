@@ -6,8 +6,9 @@
 //
 // Work list. Every (sequence, layer) — a lane — has a compact window list (CSR-style: a fixed
 // stride per lane and a count) of (window index, slot) entries for its Full and Quantized
-// windows. The kernel sees one virtual list of "items" of W = 8 tokens per lane:
-//   [the sink group] [the listed windows] [the windows still in the recent region]
+// windows. The kernel sees one virtual list of "items" of 8 tokens per lane:
+//   [the sink group] [the listed windows' items] [the recent region's items]
+// (a window of W >= 8 tokens is W/8 items; with W < 8 an item gathers 8/W listed windows).
 // A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
 // each of its four warps takes two items at a time and streams its own items through shared
 // memory: 16-byte cp.async copies (zero-filled where a token does not exist) into rows padded by
@@ -78,17 +79,39 @@ struct window_entry {
 enum class record_rotation : int { each_key = 0, none = 1, query_per_window = 2 };
 
 /// Grid-invariant description of the byte layout (built on the host from region_plan).
+///
+/// Items. The kernel works on items of 8 tokens whatever the window size W (1, 2, 4, 8, 16 or 32):
+/// a window of W >= 8 tokens is W/8 items (its parts), and with W < 8 one item gathers the tokens
+/// of 8/W consecutive listed windows (each from its own Full slot). A part of a quantized record
+/// is staged in shared memory in the layout of an 8-token record (its key metadata, shared by the
+/// window's tokens, copied into every part), so the compute never sees W.
 struct decode_layout {
   int kv_heads = 0, group = 0, head_dim = 0, window = 0, sinks = 0, recent_capacity = 0;
   rope_layout layout = rope_layout::rotate_half;
   std::size_t region_bytes = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
   std::size_t full_window_bytes = 0, record_bytes = 0, record_head_bytes = 0;
+  /// Offsets in an item's staged record (an 8-token record: the window's record when W = 8).
   std::size_t key_scale_offset = 0, key_zero_offset = 0, value_codes_offset = 0, value_scale_offset = 0,
-              value_zero_offset = 0;
+              value_zero_offset = 0, staged_record_bytes = 0;
+  /// Offsets in a window's record in the ledger (W tokens), where the parts are copied from.
+  std::size_t ledger_key_scale_offset = 0, ledger_value_codes_offset = 0, ledger_value_scale_offset = 0,
+              ledger_value_zero_offset = 0;
   int entries_per_lane = 0;
-  int max_items = 0;  ///< items a lane can have: sink group + entries + recent windows
+  int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items
   /// How attention turns a record's dequantized keys into the query's frame.
   record_rotation records = record_rotation::each_key;
+
+  /// Items per window (W >= 8) and windows per item (W < 8).
+  QEVICT_HOST_DEVICE constexpr int parts_per_window() const { return window >= 8 ? window / 8 : 1; }
+  QEVICT_HOST_DEVICE constexpr int windows_per_item() const { return window >= 8 ? 1 : 8 / window; }
+  /// Items of `entries` listed windows.
+  QEVICT_HOST_DEVICE constexpr int listed_items(int entries) const {
+    return window >= 8 ? entries * (window / 8) : (entries + windows_per_item() - 1) / windows_per_item();
+  }
+  /// Items of a lane with `entries` listed windows and `recent_tokens` tokens in the recent region.
+  QEVICT_HOST_DEVICE constexpr int items_for(int entries, int recent_tokens) const {
+    return (sinks > 0 ? 1 : 0) + listed_items(entries) + (recent_tokens + 7) / 8;
+  }
 
   /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records need
   /// `rotation` (see for_config).
@@ -110,14 +133,19 @@ struct decode_layout {
     d.full_window_bytes = p.full_window_bytes;
     d.record_bytes = p.record.window_bytes();
     d.record_head_bytes = p.record.head_bytes();
-    d.key_scale_offset = p.record.key_scale_offset();
-    d.key_zero_offset = p.record.key_zero_offset();
-    d.value_codes_offset = p.record.value_codes_offset();
-    d.value_scale_offset = p.record.value_scale_offset();
-    d.value_zero_offset = p.record.value_zero_offset();
+    const quantizers::record_layout staged{8, 1, p.record.head_dim, p.record.bits, p.record.meta_bytes};
+    d.key_scale_offset = staged.key_scale_offset();
+    d.key_zero_offset = staged.key_zero_offset();
+    d.value_codes_offset = staged.value_codes_offset();
+    d.value_scale_offset = staged.value_scale_offset();
+    d.value_zero_offset = staged.value_zero_offset();
+    d.staged_record_bytes = staged.head_bytes();
+    d.ledger_key_scale_offset = p.record.key_scale_offset();
+    d.ledger_value_codes_offset = p.record.value_codes_offset();
+    d.ledger_value_scale_offset = p.record.value_scale_offset();
+    d.ledger_value_zero_offset = p.record.value_zero_offset();
     d.entries_per_lane = static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows));
-    const int recent_windows = (p.recent_capacity + p.window - 1) / p.window + 1;
-    d.max_items = (p.sinks > 0 ? 1 : 0) + d.entries_per_lane + recent_windows;
+    d.max_items = d.items_for(d.entries_per_lane, p.recent_capacity);
     return d;
   }
 
@@ -164,7 +192,7 @@ struct decode_workspace {
     decode_workspace w;
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
-    w.mass = bh * chunks * items_per_chunk * L.group * sizeof(float);
+    w.mass = bh * chunks * items_per_chunk * L.windows_per_item() * L.group * sizeof(float);
     w.q = bh * L.group * L.head_dim * sizeof(float);
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
@@ -189,13 +217,14 @@ __device__ __forceinline__ float exp2_sfu(float x) {
 
 /// One item (8 tokens) as a warp sees it.
 struct item_view {
-  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: quantized record
+  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a quantized record,
+                   // 3: token rows gathered from the Full slots of 8/W windows (W < 8)
   const std::uint8_t* base;  // rows: the block's base for this KV head; quantized: the record's head base
   int capacity;    // rows: rows per keys/values section
   int first_slot;  // rows: slot of token 0 (ring for the recent region)
   int valid;       // tokens that exist
-  int window;      // window index, -1 for the sink group
-  long long t0;    // quantized: position of token 0
+  int window;      // window index (the first one for kind 3), -1 for the sink group
+  int part;        // quantized: which 8 tokens of the window's record (W > 8)
 };
 
 /// Where this CTA's KV head starts in each section of its lane's region (computed once per CTA).
@@ -213,11 +242,14 @@ __device__ __forceinline__ head_sections sections_of(const decode_layout& L, con
                        region + L.ledger_offset + h * L.record_head_bytes, region + L.recent_offset + h * 2 * L.recent_capacity * d};
 }
 
-__device__ __forceinline__ item_view describe_item(const decode_layout& L, const head_sections& at, const lane_state& lane,
-                                                   const window_entry* entries, int entry_offset, int item, int n_items) {
+/// Item `item` of a lane (the virtual list [sink group][listed windows' items][recent items]).
+/// For a kind-3 item, rows[r] receives the offset from the region of token r's key row.
+template <int W>
+__device__ __forceinline__ item_view describe_item(const decode_layout& L, const head_sections& at, const std::uint8_t* region,
+                                                   const lane_state& lane, const window_entry* entries, int item,
+                                                   int n_items, std::uint32_t* rows) {
   item_view v{0, nullptr, 0, 0, 0, -1, 0};
   if (item >= n_items) return v;
-  const int W = L.window;
   int i = item;
   if (L.sinks > 0) {
     if (i == 0) {
@@ -229,28 +261,47 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
     }
     --i;
   }
-  if (i < lane.n_entries) {
-    const window_entry e = entries[i - entry_offset];
-    v.window = e.window;
-    v.valid = W;
-    if (e.slot >= 0) {
-      v.kind = 1;
-      v.capacity = W;
-      v.base = at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes;
+  const int listed = L.listed_items(lane.n_entries);
+  if (i < listed) {
+    if constexpr (W >= 8) {
+      const window_entry e = entries[i / (W / 8)];
+      v.window = e.window;
+      v.part = i % (W / 8);
+      v.valid = 8;
+      if (e.slot >= 0) {
+        v.kind = 1;
+        v.capacity = W;
+        v.first_slot = 8 * v.part;
+        v.base = at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes;
+      } else {
+        v.kind = 2;
+        v.base = at.ledger + static_cast<std::size_t>(~e.slot) * L.record_bytes;
+      }
     } else {
-      v.kind = 2;
-      v.base = at.ledger + static_cast<std::size_t>(~e.slot) * L.record_bytes;
-      v.t0 = lane.first_position + L.sinks + static_cast<long long>(e.window) * W;
+      // Full windows only (the CUDA backend keeps no records for W < 8).
+      constexpr int per_item = 8 / W;
+      const int first = i * per_item, n = min(per_item, lane.n_entries - first);
+      v.kind = 3;
+      v.capacity = W;
+      v.valid = n * W;
+      v.window = entries[first].window;
+      for (int r = 0; r < n * W; ++r) {
+        const window_entry e = entries[first + r / W];
+        rows[r] = static_cast<std::uint32_t>(at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes +
+                                             static_cast<std::size_t>(r % W) * L.head_dim * 2 - region);
+      }
     }
     return v;
   }
-  const int w = lane.aged + (i - lane.n_entries);
+  // Recent items: 8 consecutive tokens from the first token of window `aged` (a window boundary).
+  const int k = i - listed;
+  const int from = lane.aged * W + 8 * k;  // tokens after the sinks
   v.kind = 1;
-  v.window = w;
+  v.window = lane.aged + (W >= 8 ? 8 * k / W : k * (8 / W));
   v.capacity = L.recent_capacity;
   v.base = at.recent;
-  v.first_slot = (w * W) % L.recent_capacity;
-  v.valid = min(W, lane.tokens - L.sinks - w * W);
+  v.first_slot = from % L.recent_capacity;
+  v.valid = min(8, lane.tokens - L.sinks - from);
   return v;
 }
 
@@ -258,24 +309,25 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
 /// once per CTA by one thread rather than by every lane of the warp that streams it.
 struct item_ref {
   std::uint32_t offset;      // of item_view::base from the lane's region
-  std::uint32_t kind_valid;  // kind | valid << 8
+  std::uint32_t kind_valid;  // kind | valid << 8 | part << 16
   std::uint32_t ring;        // first_slot | capacity << 16
   std::int32_t window;
 
   __device__ static item_ref of(const item_view& v, const std::uint8_t* region) {
-    return item_ref{v.base ? static_cast<std::uint32_t>(v.base - region) : 0u, static_cast<std::uint32_t>(v.kind | v.valid << 8),
+    return item_ref{v.base ? static_cast<std::uint32_t>(v.base - region) : 0u,
+                    static_cast<std::uint32_t>(v.kind | v.valid << 8 | v.part << 16),
                     static_cast<std::uint32_t>(v.first_slot | v.capacity << 16), v.window};
   }
   __device__ int kind() const { return static_cast<int>(kind_valid & 0xff); }
-  __device__ int valid() const { return static_cast<int>(kind_valid >> 8); }
+  __device__ int valid() const { return static_cast<int>((kind_valid >> 8) & 0xff); }
+  __device__ int part() const { return static_cast<int>(kind_valid >> 16); }
   __device__ item_view view(const std::uint8_t* region) const {
-    return item_view{kind(), region + offset, static_cast<int>(ring >> 16), static_cast<int>(ring & 0xffff), valid(), window, 0};
+    return item_view{kind(), region + offset, static_cast<int>(ring >> 16), static_cast<int>(ring & 0xffff), valid(), window, part()};
   }
 };
 
 __device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane) {
-  const int started = lane.tokens > L.sinks ? (lane.tokens - L.sinks + L.window - 1) / L.window : 0;
-  return (L.sinks > 0 ? 1 : 0) + lane.n_entries + (started - lane.aged);
+  return L.items_for(lane.n_entries, max(0, lane.tokens - L.sinks - lane.aged * L.window));
 }
 
 /// Items are staged in shared memory: rows of D elements padded by 16 bytes, so that the eight
@@ -305,13 +357,29 @@ constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
-/// probability never meets a stale NaN.
-template <int D>
-__device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, std::uint8_t* dst,
-                                          const std::uint8_t* fallback, int lane_id) {
+/// probability never meets a stale NaN. `rows` holds a kind-3 item's key-row offsets.
+template <int D, int W>
+__device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, const std::uint32_t* rows,
+                                          std::uint8_t* dst, const std::uint8_t* region, int lane_id) {
   if (it.kind == 2) {
-    const int pieces = static_cast<int>(L.record_head_bytes / 16);
-    for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
+    if constexpr (W == 8) {
+      const int pieces = static_cast<int>(L.record_head_bytes / 16);
+      for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
+    } else {
+      // Part `it.part` of a W-token record, into the staged 8-token layout: its key codes, the
+      // window's key scales and zeros, its value codes, its 8 value scales and 8 value zeros.
+      constexpr int codes = 8 * D / 4 / 16, meta = 2 * D * 2 / 16;  // 16-byte pieces
+      for (int q = lane_id; q < 2 * codes + meta + 2; q += 32) {
+        std::size_t src;
+        if (q < codes) src = static_cast<std::size_t>(it.part) * codes * 16 + 16 * q;
+        else if (q < codes + meta) src = L.ledger_key_scale_offset + 16 * (q - codes);
+        else if (q < 2 * codes + meta)
+          src = L.ledger_value_codes_offset + static_cast<std::size_t>(it.part) * codes * 16 + 16 * (q - codes - meta);
+        else if (q == 2 * codes + meta) src = L.ledger_value_scale_offset + 16 * it.part;
+        else src = L.ledger_value_zero_offset + 16 * it.part;
+        warp::cp_async16(dst + 16 * q, it.base + src, 16);
+      }
+    }
   } else {
     constexpr int per_row = D * 2 / 16;
 #pragma unroll
@@ -319,11 +387,17 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
       const int q = lane_id + 32 * k;
       const int row = q / per_row, col = q % per_row;
       const int kv = row >> 3, r = row & 7;
-      const bool ok = it.kind == 1 && r < it.valid;
-      int slot = it.first_slot + r;
-      if (slot >= it.capacity) slot -= it.capacity;
-      const std::uint8_t* src =
-          ok ? it.base + (static_cast<std::size_t>(kv * it.capacity + slot) * D * 2 + col * 16) : fallback;
+      const bool ok = (it.kind == 1 || it.kind == 3) && r < it.valid;
+      const std::uint8_t* src = region;
+      if (ok) {
+        if (W < 8 && it.kind == 3) {
+          src = region + rows[r] + static_cast<std::size_t>(kv) * W * D * 2 + col * 16;
+        } else {
+          int slot = it.first_slot + r;
+          if (slot >= it.capacity) slot -= it.capacity;
+          src = it.base + (static_cast<std::size_t>(kv * it.capacity + slot) * D * 2 + col * 16);
+        }
+      }
       warp::cp_async16(dst + row * row_stride<D> + col * 16, src, ok ? 16 : 0);
     }
   }
@@ -602,7 +676,7 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     }
 }
 
-template <int D, element_type E, bool EmitMass, record_rotation Records>
+template <int D, element_type E, bool EmitMass, record_rotation Records, int W>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr bool RotateRecords = Records == record_rotation::each_key;
@@ -621,17 +695,24 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int g = lane_id >> 2, t = lane_id & 3;
   const int G = L.group;
 
+  // Windows per item (W < 8: each has its own mass).
+  constexpr int S = W >= 8 ? 1 : 8 / W;
+  constexpr int mass_items = EmitMass ? max_items_per_chunk : 1;
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
-  __shared__ float2 mass_s[EmitMass ? max_items_per_chunk : 1][8];  // (sum exp(s - m_ref), m_ref)
+  __shared__ float mass_s[mass_items][S][8];  // sum exp(s - m_ref) of each window of the item, per head
+  __shared__ float mref_s[mass_items][8];     // m_ref
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ item_ref items_s[max_items_per_chunk];         // this chunk's items, pairs padded with empty ones
+  __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + static_cast<std::size_t>(lane_index) * L.region_bytes;
   {
     const head_sections at = sections_of<2>(L, region, h);
     const window_entry* entries = A.entries + static_cast<std::size_t>(lane_index) * L.entries_per_lane;
     for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x)
-      items_s[li] = item_ref::of(describe_item(L, at, lane, entries, 0, first_item + li, first_item + chunk_items), region);
+      items_s[li] = item_ref::of(
+          describe_item<W>(L, at, region, lane, entries, first_item + li, first_item + chunk_items, rows_s[W < 8 ? li : 0]),
+          region);
   }
 
   // Query of head g as A fragments: rows 0-7 its high part, rows 8-15 its low part.
@@ -686,7 +767,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       const int pair = warp_id + k * warps_per_cta;
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) copy_item<D>(L, items_s[2 * pair + j].view(region), dst + j * item_bytes<D>, region, lane_id);
+      for (int j = 0; j < 2; ++j)
+        copy_item<D, W>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
+                        lane_id);
     }
     warp::cp_async_commit();
   };
@@ -709,11 +792,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       cs_b = reinterpret_cast<float2*>(s_b + window_cs_offset<D>);
     }
     if ((RotateRecords || QueryPerWindow) && (kind_a == 2 || kind_b == 2)) {
+      // Keys rotated one by one: from the item's first token; the query rotated per window: by
+      // the window's first token, the frame of the whole record.
+      const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
+      const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
       for (int p = lane_id; p < D / 2; p += 32) {
         const double f = A.inv_freq[p];
         float c, s;
-        if (kind_a == 2) { thread::rope_cos_sin_approx(first_position(ra.window), f, c, s); cs_a[p] = make_float2(c, s); }
-        if (kind_b == 2) { thread::rope_cos_sin_approx(first_position(rb.window), f, c, s); cs_b[p] = make_float2(c, s); }
+        if (kind_a == 2) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
+        if (kind_b == 2) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
       }
     }
     warp::cp_async_wait<stages - 1>();
@@ -779,14 +866,31 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
     z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
     if constexpr (EmitMass) {
-      float ma = pa0 + pa1, mb = pb0 + pb1;
-      ma += __shfl_xor_sync(0xffffffffu, ma, 1);
-      ma += __shfl_xor_sync(0xffffffffu, ma, 2);
-      mb += __shfl_xor_sync(0xffffffffu, mb, 1);
-      mb += __shfl_xor_sync(0xffffffffu, mb, 2);
+      // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens.
+      const bool has_b = li_b < chunk_items;
+      if constexpr (W == 1) {
+        mass_s[li_a][2 * t][g] = pa0;
+        mass_s[li_a][2 * t + 1][g] = pa1;
+        if (has_b) {
+          mass_s[li_b][2 * t][g] = pb0;
+          mass_s[li_b][2 * t + 1][g] = pb1;
+        }
+      } else {
+        constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
+        float ma = pa0 + pa1, mb = pb0 + pb1;
+#pragma unroll
+        for (int o = 1; o < threads_per_window; o <<= 1) {
+          ma += __shfl_xor_sync(0xffffffffu, ma, o);
+          mb += __shfl_xor_sync(0xffffffffu, mb, o);
+        }
+        if (t % threads_per_window == 0) {
+          mass_s[li_a][t / threads_per_window][g] = ma;
+          if (has_b) mass_s[li_b][t / threads_per_window][g] = mb;
+        }
+      }
       if (t == 0) {
-        mass_s[li_a][g] = make_float2(ma, m_new);
-        if (li_b < chunk_items) mass_s[li_b][g] = make_float2(mb, m_new);
+        mref_s[li_a][g] = m_new;
+        if (has_b) mref_s[li_b][g] = m_new;
       }
     }
     // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
@@ -859,20 +963,21 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
   }
   if constexpr (EmitMass) {
-    for (int e = threadIdx.x; e < chunk_items * G; e += blockDim.x) {
-      const int li = e / G, hg = e % G;
+    // part_mass[b][h][item][window of the item][head of the group]
+    for (int e = threadIdx.x; e < chunk_items * S * G; e += blockDim.x) {
+      const int li = e / (S * G), j = (e / G) % S, hg = e % G;
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
-      const float2 sm = mass_s[li][hg];
-      A.part_mass[(bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * G + hg] =
-          sm.y == -INFINITY ? 0.f : sm.x * exp2_sfu(sm.y - M);
+      const float m_ref = mref_s[li][hg];
+      A.part_mass[((bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * S + j) * G + hg] =
+          m_ref == -INFINITY ? 0.f : mass_s[li][j][hg] * exp2_sfu(m_ref - M);
     }
   }
 }
 
 /// Log-sum-exp merge of the chunks; output and window mass. Grid: (x, batch).
-template <int D, bool EmitMass, class Scorer>
+template <int D, bool EmitMass, class Scorer, int W>
 __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L, const decode_arguments A) {
   extern __shared__ float factor_s[];  // [chunks][q_heads]: exp2(m_chunk - LSE)
   const int b = blockIdx.y;
@@ -904,19 +1009,29 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   __syncthreads();
 
   if constexpr (EmitMass) {
-    const int li = blockIdx.x * blockDim.x + threadIdx.x;
-    const int first_entry = L.sinks > 0 ? 1 : 0;
-    if (li >= first_entry && li < n_items) {
-      const int c = li / A.items_per_chunk;
+    // One thread per listed or recent window: the sum of its items' values (W > 8: its parts; W < 8:
+    // its share of one item) over heads, added to its score once.
+    constexpr int S = W >= 8 ? 1 : 8 / W, P = W >= 8 ? W / 8 : 1;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int started = lane.tokens > L.sinks ? (lane.tokens - L.sinks + W - 1) / W : 0;
+    const int first_item = L.sinks > 0 ? 1 : 0;
+    const int listed_items = L.listed_items(lane.n_entries);
+    if (i < lane.n_entries + (started - lane.aged)) {
+      const bool listed = i < lane.n_entries;
+      const int r = listed ? i : i - lane.n_entries;  // index among the listed or among the recent windows
+      const int base = first_item + (listed ? 0 : listed_items);
+      const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
       float mass = 0.f;
-      for (int h = 0; h < L.kv_heads; ++h) {
-        const float* pm = A.part_mass + ((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * G;
-        for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
+      for (int p = 0; p < P && item0 + p < n_items; ++p) {
+        const int li = item0 + p, c = li / A.items_per_chunk;
+        for (int h = 0; h < L.kv_heads; ++h) {
+          const float* pm = A.part_mass +
+                            (((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
+          for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
+        }
       }
       mass /= static_cast<float>(HQ);
-      const int i = li - first_entry;
-      const int w = i < lane.n_entries ? A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i].window
-                                       : lane.aged + (i - lane.n_entries);
+      const int w = listed ? A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i].window : lane.aged + r;
       window_record* table = reinterpret_cast<window_record*>(A.arena + static_cast<std::size_t>(lane_index) * L.region_bytes);
       table[w].score = Scorer::accumulate(table[w].score, mass);
     }
@@ -935,10 +1050,12 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
-template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer>
+template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W>
 void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16 || W == 32,
+                "decode_attention: the window must be 1, 2, 4, 8, 16 or 32 tokens");
   qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
-  qevict::detail::require(L.window == 8, "decode_attention: the window must be 8 tokens");
+  qevict::detail::require(L.window == W, "decode_attention: the layout's window differs from the kernel's");
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
   qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
                   "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
@@ -958,41 +1075,44 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
-  qevict::detail::require(L.record_head_bytes <= static_cast<std::size_t>(detail::window_cs_offset<D>),
+  qevict::detail::require(L.staged_record_bytes <= static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   static const bool smem_set = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records>,
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records, W>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)smem_set;
-  detail::decode_attention_kernel<D, E, EmitMass, Records><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  detail::decode_attention_kernel<D, E, EmitMass, Records, W><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
-  const int blocks_x = std::max((max_items + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
+  // Enough threads for every window of the longest lane (max_items items hold at most
+  // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
+  const int max_windows = W >= 8 ? max_items : max_items * (8 / W);
+  const int blocks_x = std::max((max_windows + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
   const std::size_t smem = static_cast<std::size_t>(chunks) * hq * sizeof(float);
   qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");
   if (smem > 48 * 1024)
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer>,
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  detail::decode_merge_kernel<D, EmitMass, Scorer>
+  detail::decode_merge_kernel<D, EmitMass, Scorer, W>
       <<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(args.batch)), 256, smem, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
 }
 
-/// Runtime dispatch over head_dim and element type.
-template <bool EmitMass, class Scorer>
+/// Runtime dispatch over head_dim and element type; the window size W is the cache's (compile time).
+template <bool EmitMass, class Scorer, int W = 8>
 void decode_attention(element_type e, const decode_layout& L, const decode_arguments& args, int max_items,
                       cudaStream_t stream) {
   qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
                   "decode_attention: the cache element type must be bf16 or f16");
   const auto with_frame = [&]<int D, element_type E>() {
     switch (L.records) {
-      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer>(L, args, max_items, stream); break;
-      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer>(L, args, max_items, stream); break;
+      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W>(L, args, max_items, stream); break;
+      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer, W>(L, args, max_items, stream); break;
       case record_rotation::query_per_window:
-        decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer>(L, args, max_items, stream);
+        decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer, W>(L, args, max_items, stream);
         break;
     }
   };

@@ -316,13 +316,13 @@ struct token_reader {
   }
 };
 
-/// Quantizes window tasks into ledger records: one warp per (task, KV head). Worker k (k < D/4)
-/// owns channels 4k..4k+3, i.e. one code byte per token, so no two lanes share a byte.
-template <int D, class Q, bool Rotates>
+/// Quantizes window tasks (windows of W tokens) into ledger records: one warp per (task, KV head).
+/// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte per token, so no two lanes share
+/// a byte.
+template <int D, int W, class Q, bool Rotates>
 __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                        const route_source src) {
   static_assert(Q::bits == 2, "quantize_kernel: 2-bit codes");
-  constexpr int W = 8;
   if (failed(S.error)) return;
   const decode_layout& L = P.L;
   const int l = list.lane[blockIdx.x];
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
           }
         }
       }
-      std::uint8_t bytes[W] = {0, 0, 0, 0, 0, 0, 0, 0};
+      std::uint8_t bytes[W] = {};
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int c = 4 * worker + m;
@@ -434,12 +434,11 @@ __device__ __forceinline__ float record_value(const quantizers::record_layout& R
   return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
 }
 
-/// Fills Full slots: promotions (dequantize, RoPE at the stored positions) and newly aged windows.
-/// One warp per (task, KV head).
-template <int D, class Q, bool Rotates>
+/// Fills Full slots (windows of W tokens): promotions (dequantize, RoPE at the stored positions)
+/// and newly aged windows. One warp per (task, KV head).
+template <int D, int W, class Q, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
-  constexpr int W = 8;
   if (failed(S.error)) return;
   const decode_layout& L = P.L;
   const int l = list.lane[blockIdx.x];

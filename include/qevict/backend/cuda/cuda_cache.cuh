@@ -11,9 +11,10 @@
 // the next synchronizing call — check(), report(), windows(), counts(), read_window(),
 // ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
 //
-// Supported policies: window<8, S <= 8, L>, quantizers::asymmetric<2, meta::bf16>, every
-// allocator (three_tier, two_tier, quantize_all, mixed_precision: the kernels see only the plan's
-// K_f and K_q), routing::ranked and routing::frozen_after_prefill, selection::per_layer,
+// Supported policies: window<W, S <= 8, L> with W in {8, 16, 32}, or W in {1, 2, 4} with a
+// two-tier allocator; quantizers::asymmetric<2, meta::bf16, any key frame>; every allocator
+// (three_tier, two_tier, quantize_all, mixed_precision: the kernels see only the plan's K_f and
+// K_q); routing::ranked and routing::frozen_after_prefill, selection::per_layer,
 // full_tier::full_precision, scorers whose token signal is the attention probability (or none),
 // with any prefill aggregation and pooling; bf16 or f16 elements, head_dim 64 or 128, GQA groups
 // up to 8. Anything else fails at compile time (policies) or at construction (geometry).
@@ -33,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qevict/backend/cuda/supports.hpp"
 #include "qevict/backend/host/host_cache.hpp"
 #include "qevict/core/layout.hpp"
 #include "qevict/core/report.hpp"
@@ -64,13 +66,6 @@ struct cuda {
   using engine = cuda_cache<Config>;
 };
 
-namespace cuda_detail {
-template <class Q>
-struct is_int2_bf16 : std::false_type {};
-template <class Frame>
-struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
-}  // namespace cuda_detail
-
 template <class Config>
 class cuda_cache {
   using quantizer = typename Config::quantizer;
@@ -78,17 +73,19 @@ class cuda_cache {
   using rope = typename Config::rope;
   using routing_policy = typename Config::routing_policy;
   using W = typename Config::window_policy;
-  static_assert(W::size == 8, "qevict::backend::cuda: unsupported window policy: the CUDA kernels need W = 8 tokens per window");
-  static_assert(W::sinks <= 8, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
-  static_assert(cuda_detail::is_int2_bf16<quantizer>::value,
+  using support = cuda_support<Config>;  // the conditions, written once in supports.hpp
+  static_assert(support::short_windows,
+                "qevict::backend::cuda: unsupported window policy for this allocator: windows shorter than 8 tokens need "
+                "a two-tier allocator (allocators::two_tier: no quantized records) on the CUDA backend");
+  static_assert(support::sinks, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
+  static_assert(support::quantizer,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16, KeyFrame> (INT2 with "
                 "bf16 metadata, any key frame)");
-  static_assert(!Config::selection_policy::splits_heads,
+  static_assert(support::selection,
                 "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
-  static_assert(!Config::full_tier_policy::quantized,
+  static_assert(support::full_tier,
                 "qevict::backend::cuda: unsupported full-tier policy: only full_tier::full_precision (a quantized top tier is host-only)");
-  static_assert(scorer::token_signal != scorers::signal::value_weighted_attention,
-                "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
+  static_assert(support::scorer, "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
   static constexpr bool rotates = rope::rotates;
   /// Whether a record's keys are rotated by the key frame's read rotation (and back when quantized).
   static constexpr bool records_rotate = rotates && !quantizer::key_frame::rotated;
@@ -298,8 +295,8 @@ class cuda_cache {
       const int l = lane_index(seqs[b], layer);
       list.lane[b] = l;
       const mirror& m = mirrors_[static_cast<std::size_t>(l)];
-      const int started = windows_started(m.tokens);
-      max_items = std::max(max_items, (plan_.sinks > 0 ? 1 : 0) + std::min(P_.L.entries_per_lane, m.aged) + (started - m.aged));
+      max_items = std::max(max_items, P_.L.items_for(std::min(P_.L.entries_per_lane, m.aged),
+                                                     std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window)));
     }
     kernels::detail::attend_prologue_kernel<<<1, 1024, 0, set_.stream>>>(P_, S_, list, q);
     QEVICT_CUDA_CHECK_LAUNCH("attend_prologue_kernel");
@@ -319,7 +316,7 @@ class cuda_cache {
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(P_.L, set_.items_per_chunk);
-    kernels::decode_attention<true, scorer>(geo_.element, P_.L, a, max_items, set_.stream);
+    kernels::decode_attention<true, scorer, W::size>(geo_.element, P_.L, a, max_items, set_.stream);
     for (int b = 0; b < list.n; ++b) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
       ++m.steps;
@@ -531,13 +528,13 @@ class cuda_cache {
     // Prefill moves many windows; decode only a few per event.
     const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : 2u);
     if (geo_.head_dim == 128) {
-      kernels::detail::quantize_kernel<128, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<128, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
     } else {
-      kernels::detail::quantize_kernel<64, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<64, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
     }
     QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
     for (int i = 0; i < list.n; ++i) {

@@ -1,0 +1,44 @@
+#pragma once
+// Which configurations the CUDA backend runs, answerable by any C++ compiler (no CUDA needed):
+//
+//   static_assert(qevict::backend::cuda_supports<qevict::presets::h2o::config_type>);
+//
+// cuda_cache<Config> static_asserts each condition below with a message that names the policy;
+// this header is the one place the conditions are written. A preset or configuration that fails
+// one runs on the host backend only.
+
+#include <type_traits>
+
+#include "qevict/config.hpp"
+
+namespace qevict::backend {
+
+namespace cuda_detail {
+template <class Q>
+struct is_int2_bf16 : std::false_type {};
+template <class Frame>
+struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
+}  // namespace cuda_detail
+
+/// The CUDA backend's condition on each policy of Config.
+template <class Config>
+struct cuda_support {
+  /// The sinks are one item of 8 tokens.
+  static constexpr bool sinks = Config::window_policy::sinks <= 8;
+  /// Every window size of the window policy (1, 2, 4, 8, 16, 32) maps onto items of 8 tokens, but
+  /// windows shorter than an item are gathered from Full slots: their records are not supported.
+  static constexpr bool short_windows = Config::window_policy::size >= 8 || Config::allocator::quantized_percent == 0;
+  /// INT2 codes with bf16 scale and zero, in any key frame.
+  static constexpr bool quantizer = cuda_detail::is_int2_bf16<typename Config::quantizer>::value;
+  static constexpr bool selection = !Config::selection_policy::splits_heads;
+  static constexpr bool full_tier = !Config::full_tier_policy::quantized;
+  /// The decode kernel's window mass is the attention probability; a value-weighted signal is not.
+  static constexpr bool scorer = Config::scorer::token_signal != scorers::signal::value_weighted_attention;
+  static constexpr bool all = sinks && short_windows && quantizer && selection && full_tier && scorer;
+};
+
+/// Whether cache<Config, backend::cuda> compiles.
+template <class Config>
+inline constexpr bool cuda_supports = cuda_support<Config>::all;
+
+}  // namespace qevict::backend
