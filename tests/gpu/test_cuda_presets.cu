@@ -6,7 +6,8 @@
 // The window sizes the decode kernel handles differently are all covered: W = 1 (h2o, snapkv: one
 // item gathers 8 windows from their Full slots), W = 32 (r4 with records before RoPE, kivi2 with
 // records after RoPE: a window is 4 items, its record staged part by part), and W = 2, 4 and 16 in
-// configurations of their own.
+// configurations of their own; so are 4-bit codes (kivi4 after RoPE at W = 32, kvquant_like
+// before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted).
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -81,6 +82,16 @@ TEST_CASE("CUDA backend: every supported preset against the host backend") {
   CHECK(has("snapkv"));
   CHECK(has("r4"));
   CHECK(has("kivi2"));
+  // 4-bit codes, after RoPE (kivi4, W = 32) and before it (kvquant_like, W = 8).
+  CHECK(has("kivi4"));
+  CHECK(has("kvquant_like"));
+}
+
+TEST_CASE("CUDA backend: 4-bit records that are promoted, demoted and evicted (three tiers)") {
+  using int4 = config<>::with_quantizer<quantizers::asymmetric<4>>;
+  using int4_post = config<>::with_quantizer<quantizers::asymmetric<4, meta::bf16, quantizers::key_frame::after_rope>>;
+  run_shapes<int4>(budget::fraction(0.20), 3001);
+  run_shapes<int4_post>(budget::fraction(0.10), 3011);
 }
 
 TEST_CASE("CUDA backend: windows of 2, 4 and 16 tokens") {

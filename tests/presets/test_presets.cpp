@@ -880,7 +880,7 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   });
   // docs/policies.md, "Backends".
   CHECK(on_cuda == std::set<std::string>{"qevict", "qevict_post_rope", "qevict_window_relative", "full_kv", "streaming_llm", "h2o",
-                                         "snapkv", "kivi2", "r2", "r3", "r4"});
+                                         "snapkv", "kivi2", "kivi4", "kvquant_like", "r2", "r3", "r4"});
   // The reasons the others stay on the host backend.
   using adakv = cuda_support<presets::adakv::config_type>;
   CHECK_FALSE(adakv::selection);
@@ -890,8 +890,6 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   CHECK_FALSE(criticalkv::scorer);
   CHECK_FALSE(cuda_support<presets::defensivekv::config_type>::selection);
   CHECK_FALSE(cuda_support<presets::layer_defensivekv::config_type>::selection);
-  CHECK_FALSE(cuda_support<presets::kivi4::config_type>::quantizer);
-  CHECK_FALSE(cuda_support<presets::kvquant_like::config_type>::quantizer);
   using zipcache = cuda_support<presets::zipcache_like::config_type>;
   CHECK(zipcache::quantizer);  // its 2-bit tier
   CHECK_FALSE(zipcache::full_tier);
@@ -904,4 +902,12 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>::with_allocator<qevict::allocators::two_tier>>);
   CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>>);
   CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<16, 5, 32>>>);
+  // INT4 codes before or after RoPE; not window-relative (its fp16 path is exact for 2-bit codes),
+  // not INT8.
+  using qevict::quantizers::asymmetric;
+  namespace frame = qevict::quantizers::key_frame;
+  CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4>>>);
+  CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::window_relative>>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8>>>);
 }

@@ -1,8 +1,8 @@
 #pragma once
 // Fused decode attention over a QEvict cache: one pass over the sinks, the Full windows (bf16 or
-// fp16), the Quantized windows (INT2 codes dequantized in registers; keys quantized before RoPE
-// are rotated in registers at their positions, keys quantized after RoPE are used as they are) and
-// the recent region, with each window's attention mass as a by-product.
+// fp16), the Quantized windows (INT2 or INT4 codes dequantized in registers; keys quantized before
+// RoPE are rotated in registers at their positions, keys quantized after RoPE are used as they
+// are) and the recent region, with each window's attention mass as a by-product.
 //
 // Work list. Every (sequence, layer) — a lane — has a compact window list (CSR-style: a fixed
 // stride per lane and a count) of (window index, slot) entries for its Full and Quantized
@@ -23,9 +23,10 @@
 // The contraction index is the channel in mma order: a thread owns channels
 // 16s + {2t, 2t+1, 2t+8, 2t+9}, which holds both halves of every rotary pair.
 //
-// INT2 metadata is folded: a value's per-token scale multiplies its probability and its zero
+// Value metadata is folded: a value's per-token scale multiplies its probability and its zero
 // accumulates as sum(p * zero) per head, so value codes enter the tensor core as exact integers.
-// Keys quantized after RoPE take an fp16 path: each key element is one fp16 FMA of its code
+// Keys dequantize in fp32 (score_item), except that INT2 keys not rotated per key (stored after
+// RoPE, or window-relative) take an fp16 path: each key element is one fp16 FMA of its code
 // (placed in the mantissa of 1.0) with the channel's scale and zero, prepared once per window in
 // shared memory; the query is an fp16 copy whose channels are ordered so that a thread's codes
 // need no shuffling (the contraction order is free, as long as A and B agree).
@@ -96,6 +97,7 @@ struct decode_layout {
   /// Offsets in a window's record in the ledger (W tokens), where the parts are copied from.
   std::size_t ledger_key_scale_offset = 0, ledger_value_codes_offset = 0, ledger_value_scale_offset = 0,
               ledger_value_zero_offset = 0;
+  int code_bits = 2;  ///< bits of a record's codes (2 or 4)
   int entries_per_lane = 0;
   int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items
   /// How attention turns a record's dequantized keys into the query's frame.
@@ -133,6 +135,7 @@ struct decode_layout {
     d.full_window_bytes = p.full_window_bytes;
     d.record_bytes = p.record.window_bytes();
     d.record_head_bytes = p.record.head_bytes();
+    d.code_bits = p.record.bits;
     const quantizers::record_layout staged{8, 1, p.record.head_dim, p.record.bits, p.record.meta_bytes};
     d.key_scale_offset = staged.key_scale_offset();
     d.key_zero_offset = staged.key_zero_offset();
@@ -358,7 +361,7 @@ constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
 /// probability never meets a stale NaN. `rows` holds a kind-3 item's key-row offsets.
-template <int D, int W>
+template <int D, int W, int Bits>
 __device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, const std::uint32_t* rows,
                                           std::uint8_t* dst, const std::uint8_t* region, int lane_id) {
   if (it.kind == 2) {
@@ -368,7 +371,7 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
     } else {
       // Part `it.part` of a W-token record, into the staged 8-token layout: its key codes, the
       // window's key scales and zeros, its value codes, its 8 value scales and 8 value zeros.
-      constexpr int codes = 8 * D / 4 / 16, meta = 2 * D * 2 / 16;  // 16-byte pieces
+      constexpr int codes = 8 * D * Bits / 8 / 16, meta = 2 * D * 2 / 16;  // 16-byte pieces
       for (int q = lane_id; q < 2 * codes + meta + 2; q += 32) {
         std::size_t src;
         if (q < codes) src = static_cast<std::size_t>(it.part) * codes * 16 + 16 * q;
@@ -403,13 +406,17 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
   }
 }
 
-/// One token's INT2 code words from shared memory (16-byte loads): word i holds channels
-/// 16i..16i+15, 2 bits each, channel 16i + j at bits 2j.
-template <int D>
-__device__ __forceinline__ void load_code_words(const std::uint8_t* token_codes, std::uint32_t (&w)[D / 16]) {
+/// 32-bit code words of one token: D channels of Bits each.
+template <int D, int Bits>
+constexpr int code_words = D * Bits / 32;
+
+/// One token's code words from shared memory (16-byte loads): word i holds channels
+/// (32/Bits)·i onwards, Bits bits each, lowest channel in the lowest bits (the host's put_code).
+template <int D, int Bits = 2>
+__device__ __forceinline__ void load_code_words(const std::uint8_t* token_codes, std::uint32_t (&w)[code_words<D, Bits>]) {
   const uint4* p = reinterpret_cast<const uint4*>(token_codes);
 #pragma unroll
-  for (int i = 0; i < D / 64; ++i) {
+  for (int i = 0; i < code_words<D, Bits> / 4; ++i) {
     const uint4 u = p[i];
     w[4 * i] = u.x;
     w[4 * i + 1] = u.y;
@@ -418,12 +425,31 @@ __device__ __forceinline__ void load_code_words(const std::uint8_t* token_codes,
   }
 }
 
+/// The codes of the thread's channels 16s + {2t, 2t+1, 2t+8, 2t+9} in a token's code words.
+template <int D, int Bits>
+__device__ __forceinline__ void thread_codes(const std::uint32_t (&cw)[code_words<D, Bits>], int s, int t, std::uint32_t (&k)[4]) {
+  if constexpr (Bits == 2) {  // word s: channels 16s..16s+15
+    const std::uint32_t w = cw[s] >> (4 * t);
+    k[0] = w & 3u;
+    k[1] = (w >> 2) & 3u;
+    k[2] = (w >> 16) & 3u;
+    k[3] = (w >> 18) & 3u;
+  } else {  // words 2s and 2s+1: channels 16s..16s+7 and 16s+8..16s+15
+    const std::uint32_t a = cw[2 * s] >> (8 * t), b = cw[2 * s + 1] >> (8 * t);
+    k[0] = a & 15u;
+    k[1] = (a >> 4) & 15u;
+    k[2] = b & 15u;
+    k[3] = (b >> 4) & 15u;
+  }
+}
+
 /// Scores of one item for the thread: c[0], c[1] = head g's scores of tokens 2t, 2t+1 against the
 /// query's high part, c[2], c[3] against its low part (their sum is the score).
 /// The contraction index is the channel: chunk s holds channels 16s..16s+15 in mma order, so the
 /// thread owns channels 16s + {2t, 2t+1, 2t+8, 2t+9}; both members of every rotary pair (c and
-/// c + D/2, or 2m and 2m+1) then lie in one thread.
-template <int D, bool Bf16>
+/// c + D/2, or 2m and 2m+1) then lie in one thread. A record's keys (codes of Bits) are rotated to
+/// their positions when Rotate (keys stored before RoPE) and used as they are otherwise.
+template <int D, bool Bf16, int Bits, bool Rotate>
 __device__ __forceinline__ void score_item(const decode_layout& L, int kind, const std::uint8_t* s_item,
                                            int g, int t, int lane_id, const float2* cs_j, const float2* cs_t0,
                                            const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
@@ -444,25 +470,26 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
     for (int e = 0; e < 4; ++e) c[e] += odd[e];
     return;
   }
-  // INT2 record: codes of token g (word s holds channels 16s..16s+15, 2 bits each), per-channel
-  // scale and zero; dequantize in fp32, rotate to position t0 + g, split into high and low parts.
-  std::uint32_t cw[D / 16];
-  load_code_words<D>(s_item + g * (D / 4), cw);
+  // Record: codes of token g, per-channel scale and zero; dequantize in fp32, rotate to position
+  // t0 + g (keys stored before RoPE), split into high and low parts.
+  std::uint32_t cw[code_words<D, Bits>];
+  load_code_words<D, Bits>(s_item + g * (D * Bits / 8), cw);
   const std::uint8_t* ks = s_item + L.key_scale_offset;
   const std::uint8_t* kz = s_item + L.key_zero_offset;
   float x[D / 16][4];
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
-    const std::uint32_t w = cw[s] >> (4 * t);
+    std::uint32_t code[4];
+    thread_codes<D, Bits>(cw, s, t, code);
     const std::uint32_t sc0 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 4 * t);
     const std::uint32_t sc1 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 16 + 4 * t);
     const std::uint32_t ze0 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 4 * t);
     const std::uint32_t ze1 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 16 + 4 * t);
     // 2^23 + code, exactly, minus 2^23: a full-rate conversion.
-    const float k0 = __uint_as_float(0x4B000000u | (w & 3u)) - 8388608.0f;
-    const float k1 = __uint_as_float(0x4B000000u | ((w >> 2) & 3u)) - 8388608.0f;
-    const float k8 = __uint_as_float(0x4B000000u | ((w >> 16) & 3u)) - 8388608.0f;
-    const float k9 = __uint_as_float(0x4B000000u | ((w >> 18) & 3u)) - 8388608.0f;
+    const float k0 = __uint_as_float(0x4B000000u | code[0]) - 8388608.0f;
+    const float k1 = __uint_as_float(0x4B000000u | code[1]) - 8388608.0f;
+    const float k8 = __uint_as_float(0x4B000000u | code[2]) - 8388608.0f;
+    const float k9 = __uint_as_float(0x4B000000u | code[3]) - 8388608.0f;
     x[s][0] = fmaf(__uint_as_float(sc0 << 16), k0, __uint_as_float(ze0 << 16));
     x[s][1] = fmaf(__uint_as_float(sc0 & 0xffff0000u), k1, __uint_as_float(ze0 & 0xffff0000u));
     x[s][2] = fmaf(__uint_as_float(sc1 << 16), k8, __uint_as_float(ze1 << 16));
@@ -477,17 +504,19 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
     a = a0 * cr - b0 * ci;
     b = a0 * ci + b0 * cr;
   };
-  if (L.layout == rope_layout::interleaved) {
+  if constexpr (Rotate) {
+    if (L.layout == rope_layout::interleaved) {
 #pragma unroll
-    for (int s = 0; s < D / 16; ++s) {
-      rot(x[s][0], x[s][1], 8 * s + t);
-      rot(x[s][2], x[s][3], 8 * s + t + 4);
-    }
-  } else {
+      for (int s = 0; s < D / 16; ++s) {
+        rot(x[s][0], x[s][1], 8 * s + t);
+        rot(x[s][2], x[s][3], 8 * s + t + 4);
+      }
+    } else {
 #pragma unroll
-    for (int s = 0; s < D / 32; ++s) {
+      for (int s = 0; s < D / 32; ++s) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) rot(x[s][e], x[s + D / 32][e], 16 * s + 2 * t + (e & 1) + 8 * (e >> 1));
+        for (int e = 0; e < 4; ++e) rot(x[s][e], x[s + D / 32][e], 16 * s + 2 * t + (e & 1) + 8 * (e >> 1));
+      }
     }
   }
 #pragma unroll
@@ -595,7 +624,7 @@ __device__ __forceinline__ void query_for_window(const float (&qr)[D / 16][4], c
 /// a[i][1] = (channel 16i + g + 8, same tokens), a[i][2], a[i][3] the same of item b. The four
 /// registers of a[i] are one tensor-core operand; loading them together (one ldmatrix.x4 over both
 /// items when both hold token rows) spares the register moves that assembling it would take.
-template <int D, bool Bf16>
+template <int D, bool Bf16, int Bits>
 __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind_a, const std::uint8_t* s_a, int kind_b,
                                                 const std::uint8_t* s_b, int g, int t, int lane_id,
                                                 std::uint32_t (&a)[D / 16][4]) {
@@ -613,16 +642,26 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
       for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x2_trans(rowp + i * 32, a[i][2 * h], a[i][2 * h + 1]);
       return;
     }
-    // Codes of tokens 2t and 2t+1: word i of a token holds channels 16i..16i+15.
-    std::uint32_t w0[D / 16], w1[D / 16];
-    load_code_words<D>(s_item + L.value_codes_offset + (2 * t) * (D / 4), w0);
-    load_code_words<D>(s_item + L.value_codes_offset + (2 * t + 1) * (D / 4), w1);
+    // Codes of tokens 2t and 2t+1.
+    std::uint32_t w0[code_words<D, Bits>], w1[code_words<D, Bits>];
+    load_code_words<D, Bits>(s_item + L.value_codes_offset + (2 * t) * (D * Bits / 8), w0);
+    load_code_words<D, Bits>(s_item + L.value_codes_offset + (2 * t + 1) * (D * Bits / 8), w1);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-      // After the shift, channel g sits at bits 0-1 and channel g+8 at bits 16-17 of each token's word.
-      const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
-      a[i][2 * h] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x5410));
-      a[i][2 * h + 1] = warp::codes_to_16<Bf16>(__byte_perm(x0, x1, 0x7632));
+      if constexpr (Bits == 2) {
+        // Word i holds channels 16i..16i+15: after the shift, channel g sits at bits 0-1 and
+        // channel g+8 at bits 16-17 of each token's word.
+        const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
+        a[i][2 * h] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x5410));
+        a[i][2 * h + 1] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x7632));
+      } else {
+        // Words 2i and 2i+1 hold channels 16i..16i+7 and 16i+8..16i+15: after the shift, channel
+        // g (g+8) sits at bits 0-3 of word 2i (2i+1).
+        const std::uint32_t x0 = w0[2 * i] >> (4 * g), x1 = w1[2 * i] >> (4 * g);
+        const std::uint32_t y0 = w0[2 * i + 1] >> (4 * g), y1 = w1[2 * i + 1] >> (4 * g);
+        a[i][2 * h] = warp::codes_to_16<Bf16, 4>(__byte_perm(x0, x1, 0x5410));
+        a[i][2 * h + 1] = warp::codes_to_16<Bf16, 4>(__byte_perm(y0, y1, 0x5410));
+      }
     }
   };
   if (kind_a == 2 && kind_b == 2) {  // branch-free, so that the two items interleave
@@ -676,11 +715,16 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     }
 }
 
-template <int D, element_type E, bool EmitMass, record_rotation Records, int W>
+template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr bool RotateRecords = Records == record_rotation::each_key;
   constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
+  // Records whose keys are not rotated per key take the exact fp16 path (score_record) when their
+  // codes have 2 bits; 4-bit codes (5 significant bits in 1 + code/16, 13 in the product with a
+  // bf16 scale) would not be exact in fp16 and take score_item's fp32 path.
+  constexpr bool Fp16Records = !RotateRecords && Bits == 2;
+  static_assert(Bits == 2 || !QueryPerWindow, "decode_attention: window-relative keys need 2-bit codes");
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
   constexpr bool Bf16 = E == element_type::bf16;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -733,7 +777,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // that order (qr), rotated per window into qf by query_for_window.
   std::uint32_t qf[D / 16][4];
   float qr[QueryPerWindow ? D / 16 : 1][4];
-  if constexpr (!RotateRecords) {
+  if constexpr (Fp16Records) {
     const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
     const float keep = g < G ? 1.0f : 0.0f;
 #pragma unroll
@@ -768,7 +812,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        copy_item<D, W>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
+        copy_item<D, W, Bits>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
                         lane_id);
     }
     warp::cp_async_commit();
@@ -807,8 +851,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     __syncwarp();
     // Most pairs are two records (keys after RoPE): for them the work below is branch-free, so
     // that the two items' independent instruction streams interleave.
-    const bool two_records = !RotateRecords && kind_a == 2 && kind_b == 2;
-    if constexpr (!RotateRecords) {
+    const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
+    if constexpr (Fp16Records) {
       if (two_records) {
         stage_key_meta<D>(L, s_a, lane_id);
         stage_key_meta<D>(L, s_b, lane_id);
@@ -834,11 +878,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
       } else {
         auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
-          if (!RotateRecords && kind == 2) {
+          if (Fp16Records && kind == 2) {
             if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
             score_record<D>(s_item, g, t, qf, c);
           } else {
-            score_item<D, Bf16>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+            score_item<D, Bf16, Bits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
           }
         };
         score(kind_a, s_a, cs_a, ca);
@@ -911,7 +955,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
     std::uint32_t v[D / 16][4];
-    value_fragments<D, Bf16>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
+    value_fragments<D, Bf16, Bits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
@@ -1050,12 +1094,13 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
-template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W>
+template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W, int Bits>
 void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
   static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16 || W == 32,
                 "decode_attention: the window must be 1, 2, 4, 8, 16 or 32 tokens");
   qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
   qevict::detail::require(L.window == W, "decode_attention: the layout's window differs from the kernel's");
+  qevict::detail::require(L.code_bits == Bits, "decode_attention: the layout's code width differs from the kernel's");
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
   qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
                   "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
@@ -1079,12 +1124,12 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   static const bool smem_set = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records, W>,
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)smem_set;
-  detail::decode_attention_kernel<D, E, EmitMass, Records, W><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   // Enough threads for every window of the longest lane (max_items items hold at most
@@ -1101,18 +1146,20 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
 }
 
-/// Runtime dispatch over head_dim and element type; the window size W is the cache's (compile time).
-template <bool EmitMass, class Scorer, int W = 8>
+/// Runtime dispatch over head_dim, element type and key frame; the window size W and the code width
+/// Bits are the cache's (compile time).
+template <bool EmitMass, class Scorer, int W = 8, int Bits = 2>
 void decode_attention(element_type e, const decode_layout& L, const decode_arguments& args, int max_items,
                       cudaStream_t stream) {
   qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
                   "decode_attention: the cache element type must be bf16 or f16");
   const auto with_frame = [&]<int D, element_type E>() {
     switch (L.records) {
-      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W>(L, args, max_items, stream); break;
-      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer, W>(L, args, max_items, stream); break;
+      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W, Bits>(L, args, max_items, stream); break;
+      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer, W, Bits>(L, args, max_items, stream); break;
       case record_rotation::query_per_window:
-        decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer, W>(L, args, max_items, stream);
+        if constexpr (Bits == 2) decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer, W, Bits>(L, args, max_items, stream);
+        else throw error("decode_attention: window-relative keys need 2-bit codes");
         break;
     }
   };

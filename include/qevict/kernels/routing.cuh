@@ -24,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "qevict/kernels/cache_state.cuh"
 
@@ -317,12 +318,14 @@ struct token_reader {
 };
 
 /// Quantizes window tasks (windows of W tokens) into ledger records: one warp per (task, KV head).
-/// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte per token, so no two lanes share
-/// a byte.
+/// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit
+/// codes) per token, so no two lanes share a byte.
 template <int D, int W, class Q, bool Rotates>
 __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                        const route_source src) {
-  static_assert(Q::bits == 2, "quantize_kernel: 2-bit codes");
+  static_assert(Q::bits == 2 || Q::bits == 4, "quantize_kernel: 2- or 4-bit codes");
+  using code_unit = std::conditional_t<Q::bits == 2, std::uint8_t, std::uint16_t>;  // a worker's 4 codes
+  constexpr int token_bytes = D * Q::bits / 8;
   if (failed(S.error)) return;
   const decode_layout& L = P.L;
   const int l = list.lane[blockIdx.x];
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
           }
         }
       }
-      std::uint8_t bytes[W] = {};
+      code_unit bytes[W] = {};
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int c = 4 * worker + m;
@@ -380,10 +383,10 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
         Q::store_meta(rec + R.key_zero_offset(), c, z);
         const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
 #pragma unroll
-        for (int j = 0; j < W; ++j) bytes[j] |= static_cast<std::uint8_t>(Q::code_of(kx[j][m], sf, zf) << (2 * m));
+        for (int j = 0; j < W; ++j) bytes[j] |= static_cast<code_unit>(Q::code_of(kx[j][m], sf, zf) << (Q::bits * m));
       }
 #pragma unroll
-      for (int j = 0; j < W; ++j) rec[j * (D / 4) + worker] = bytes[j];
+      for (int j = 0; j < W; ++j) *reinterpret_cast<code_unit*>(rec + j * token_bytes + worker * sizeof(code_unit)) = bytes[j];
     }
     // Values: one group per token across channels.
     for (int j = 0; j < W; ++j) {
@@ -410,10 +413,10 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
       }
       if (active) {
         const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
-        std::uint8_t byte = 0;
+        code_unit unit = 0;
 #pragma unroll
-        for (int m = 0; m < 4; ++m) byte |= static_cast<std::uint8_t>(Q::code_of(vx[m], sf, zf) << (2 * m));
-        rec[R.value_codes_offset() + j * (D / 4) + worker] = byte;
+        for (int m = 0; m < 4; ++m) unit |= static_cast<code_unit>(Q::code_of(vx[m], sf, zf) << (Q::bits * m));
+        *reinterpret_cast<code_unit*>(rec + R.value_codes_offset() + j * token_bytes + worker * sizeof(code_unit)) = unit;
       }
     }
   }

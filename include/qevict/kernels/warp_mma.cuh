@@ -40,9 +40,11 @@ __device__ __forceinline__ std::uint32_t bf16x2_to_half2(std::uint32_t w) {
 }
 
 /// Two 2-bit codes (bits 0-1 and 16-17 of x, the rest ignored) as an exact half2 of integers.
+template <int Bits = 2>
 __device__ __forceinline__ std::uint32_t codes_to_half2(std::uint32_t x) {
   // 0x6400 is 1024.0 in fp16; a code in its low mantissa bits is 1024 + code, and the subtraction is exact.
-  const std::uint32_t biased = (x & 0x00030003u) | 0x64006400u;
+  constexpr std::uint32_t mask = ((1u << Bits) - 1u) * 0x00010001u;
+  const std::uint32_t biased = (x & mask) | 0x64006400u;
   const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6400)));
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
@@ -97,17 +99,20 @@ __device__ __forceinline__ void split_16(float x, float y, std::uint32_t& hi, st
   lo = pack_16<Bf16>(x - back.x, y - back.y);
 }
 
-/// Two 2-bit codes (bits 0-1 and 16-17 of x, the rest ignored) as exact integers in the 16-bit type.
-template <bool Bf16>
+/// Two codes of Bits (2 or 4: bits 0.. and 16.. of x, the rest ignored) as exact integers in the
+/// 16-bit type.
+template <bool Bf16, int Bits = 2>
 __device__ __forceinline__ std::uint32_t codes_to_16(std::uint32_t x) {
+  static_assert(Bits == 2 || Bits == 4, "codes_to_16: 2- or 4-bit codes");
   if constexpr (Bf16) {
     // 0x4300 is 128.0 in bf16 (ulp 1): 128 + code, minus 128, exactly.
-    const std::uint32_t biased = (x & 0x00030003u) | 0x43004300u;
+    constexpr std::uint32_t mask = ((1u << Bits) - 1u) * 0x00010001u;
+    const std::uint32_t biased = (x & mask) | 0x43004300u;
     const __nv_bfloat162 h = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased),
                                      __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)));
     return *reinterpret_cast<const std::uint32_t*>(&h);
   } else {
-    return codes_to_half2(x);
+    return codes_to_half2<Bits>(x);
   }
 }
 

@@ -11,8 +11,9 @@
 // the next synchronizing call — check(), report(), windows(), counts(), read_window(),
 // ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
 //
-// Supported policies: window<W, S <= 8, L> with W in {8, 16, 32}, or W in {1, 2, 4} with a
-// two-tier allocator; quantizers::asymmetric<2, meta::bf16, any key frame>; every allocator
+// Supported policies (backend/cuda/supports.hpp): window<W, S <= 8, L> with W in {8, 16, 32}, or
+// W in {1, 2, 4} with a two-tier allocator; quantizers::asymmetric<2, meta::bf16, any key frame>
+// and asymmetric<4, meta::bf16, before_rope or after_rope>; every allocator
 // (three_tier, two_tier, quantize_all, mixed_precision: the kernels see only the plan's K_f and
 // K_q); routing::ranked and routing::frozen_after_prefill, selection::per_layer,
 // full_tier::full_precision, scorers whose token signal is the attention probability (or none),
@@ -79,8 +80,8 @@ class cuda_cache {
                 "a two-tier allocator (allocators::two_tier: no quantized records) on the CUDA backend");
   static_assert(support::sinks, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(support::quantizer,
-                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<2, meta::bf16, KeyFrame> (INT2 with "
-                "bf16 metadata, any key frame)");
+                "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<Bits, meta::bf16, KeyFrame> with "
+                "Bits = 2 (any key frame) or Bits = 4 (key_frame::before_rope or after_rope)");
   static_assert(support::selection,
                 "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
   static_assert(support::full_tier,
@@ -316,7 +317,7 @@ class cuda_cache {
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(P_.L, set_.items_per_chunk);
-    kernels::decode_attention<true, scorer, W::size>(geo_.element, P_.L, a, max_items, set_.stream);
+    kernels::decode_attention<true, scorer, W::size, quantizer::bits>(geo_.element, P_.L, a, max_items, set_.stream);
     for (int b = 0; b < list.n; ++b) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
       ++m.steps;

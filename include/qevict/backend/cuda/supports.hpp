@@ -14,10 +14,15 @@
 namespace qevict::backend {
 
 namespace cuda_detail {
+/// INT2 codes in any key frame, INT4 codes with keys before or after RoPE (the window-relative
+/// frame's exact fp16 path needs 2-bit codes), bf16 scale and zero.
 template <class Q>
-struct is_int2_bf16 : std::false_type {};
+struct kernel_quantizer : std::false_type {};
 template <class Frame>
-struct is_int2_bf16<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
+struct kernel_quantizer<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
+template <class Frame>
+struct kernel_quantizer<quantizers::asymmetric<4, meta::bf16, Frame>>
+    : std::bool_constant<!std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
 }  // namespace cuda_detail
 
 /// The CUDA backend's condition on each policy of Config.
@@ -28,8 +33,8 @@ struct cuda_support {
   /// Every window size of the window policy (1, 2, 4, 8, 16, 32) maps onto items of 8 tokens, but
   /// windows shorter than an item are gathered from Full slots: their records are not supported.
   static constexpr bool short_windows = Config::window_policy::size >= 8 || Config::allocator::quantized_percent == 0;
-  /// INT2 codes with bf16 scale and zero, in any key frame.
-  static constexpr bool quantizer = cuda_detail::is_int2_bf16<typename Config::quantizer>::value;
+  /// INT2 or INT4 codes with bf16 scale and zero (INT4 not in the window-relative frame).
+  static constexpr bool quantizer = cuda_detail::kernel_quantizer<typename Config::quantizer>::value;
   static constexpr bool selection = !Config::selection_policy::splits_heads;
   static constexpr bool full_tier = !Config::full_tier_policy::quantized;
   /// The decode kernel's window mass is the attention probability; a value-weighted signal is not.
