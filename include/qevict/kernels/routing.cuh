@@ -317,7 +317,8 @@ struct token_reader {
   }
 };
 
-/// Quantizes window tasks (windows of W tokens) into ledger records: one warp per (task, KV head).
+/// Quantizes window tasks (windows of W tokens) into ledger records: one warp per (task, KV head,
+/// keys or values).
 /// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit
 /// codes) per token, so no two lanes share a byte.
 template <int D, int W, class Q, bool Rotates>
@@ -338,13 +339,17 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   const int worker = lane_id;
   const bool active = worker < D / 4;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads; item += warps) {
-    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + item / L.kv_heads];
-    const int h = item % L.kv_heads, w = task.window;
+  // Work items: (task, KV head, keys or values), so that a window's keys and values are quantized
+  // by two warps at once (each is a chain of dependent steps).
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads * 2; item += warps) {
+    const bool keys = (item & 1) == 0;
+    const int task_head = item >> 1;
+    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / L.kv_heads];
+    const int h = task_head % L.kv_heads, w = task.window;
     const token_reader rd{&P, region_c, src, task.source, task.src_slot};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(h) * L.record_head_bytes);
-    if (active) {
+    if (keys && active) {
       // Keys in the record's key frame, one group per channel across the window's tokens.
       float kx[W][4];
 #pragma unroll
@@ -389,7 +394,7 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
       for (int j = 0; j < W; ++j) *reinterpret_cast<code_unit*>(rec + j * token_bytes + worker * sizeof(code_unit)) = bytes[j];
     }
     // Values: one group per token across channels.
-    for (int j = 0; j < W; ++j) {
+    for (int j = 0; j < W && !keys; ++j) {
       float vx[4];
       float lo = INFINITY, hi = -INFINITY;
       if (active) {
@@ -438,7 +443,7 @@ __device__ __forceinline__ float record_value(const quantizers::record_layout& R
 }
 
 /// Fills Full slots (windows of W tokens): promotions (dequantize, RoPE at the stored positions)
-/// and newly aged windows. One warp per (task, KV head).
+/// and newly aged windows. One warp per (task, KV head, keys or values).
 template <int D, int W, class Q, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
@@ -451,15 +456,17 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
   const int lane_id = threadIdx.x & 31;
   const int warps = blockDim.x / 32 * gridDim.y;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads; item += warps) {
-    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + item / L.kv_heads];
-    const int h = item % L.kv_heads, w = task.window;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads * 2; item += warps) {
+    const bool keys = (item & 1) == 0;
+    const int task_head = item >> 1;
+    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / L.kv_heads];
+    const int h = task_head % L.kv_heads, w = task.window;
     void* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     if (task.source == 3) {
       const std::uint8_t* rec = reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset +
                                                                       static_cast<std::size_t>(task.src_slot) * L.record_bytes +
                                                                       static_cast<std::size_t>(h) * L.record_head_bytes);
-      for (int e = lane_id; e < W * (D / 2); e += 32) {
+      for (int e = lane_id; keys && e < W * (D / 2); e += 32) {
         const int j = e / (D / 2), i = e % (D / 2);
         int a, b;
         pair_members(L.layout, D, i, a, b);
@@ -471,7 +478,7 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
         numeric::store(P.element, slot, key_index(D, W, h, j, a), x0);
         numeric::store(P.element, slot, key_index(D, W, h, j, b), x1);
       }
-      for (int e = lane_id; e < W * D; e += 32) {
+      for (int e = lane_id; !keys && e < W * D; e += 32) {
         const int j = e / D, c = e % D;
         numeric::store(P.element, slot, value_index(D, W, h, j, c), record_value<Q>(R, rec, j, c));
       }
@@ -479,8 +486,8 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
       const token_reader rd{&P, region, src, task.source, 0};
       for (int e = lane_id; e < W * D; e += 32) {
         const int j = e / D, c = e % D;
-        numeric::store(P.element, slot, key_index(D, W, h, j, c), rd.key(w, j, h, c));
-        numeric::store(P.element, slot, value_index(D, W, h, j, c), rd.value(w, j, h, c));
+        if (keys) numeric::store(P.element, slot, key_index(D, W, h, j, c), rd.key(w, j, h, c));
+        else numeric::store(P.element, slot, value_index(D, W, h, j, c), rd.value(w, j, h, c));
       }
     }
   }

@@ -45,6 +45,11 @@
 #include "qevict/kernels/prefill.cuh"
 #include "qevict/kernels/routing.cuh"
 
+/// CTAs per lane of a decode routing event's quantize and store kernels.
+#ifndef QEVICT_ROUTE_CTAS_PER_LANE
+#define QEVICT_ROUTE_CTAS_PER_LANE 16u
+#endif
+
 namespace qevict {
 namespace backend {
 
@@ -526,8 +531,11 @@ class cuda_cache {
     kernels::detail::route_decide_kernel<scorer, routing_policy><<<lanes, kernels::detail::route_threads, smem, st>>>(
         P_, S_, list, source_kind);
     QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
-    // Prefill moves many windows; decode only a few per event.
-    const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : 2u);
+    // Warps per lane for the data movements, one (window, KV head) each at a time. A decode event
+    // moves from a few windows per lane (a settled ranking) to dozens (the events after a prefill,
+    // whose scores meet the decode mass, and small budgets, where ranks churn); enough CTAs of 8
+    // warps per lane keep those from serializing, and CTAs without work return at once.
+    const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : QEVICT_ROUTE_CTAS_PER_LANE);
     if (geo_.head_dim == 128) {
       kernels::detail::quantize_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
