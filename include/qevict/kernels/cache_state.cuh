@@ -88,35 +88,30 @@ __device__ __forceinline__ bool failed(const device_error* e) {
   return *reinterpret_cast<const volatile int*>(&e->code) != 0;
 }
 
+/// Element i of x: if it is not finite and no bad input was found before, records it in the flag.
+/// Returns whether it was finite.
+__device__ __forceinline__ bool check_finite(const float* x, std::size_t i, device_error* e, int call, int input) {
+  const float v = x[i];
+  if (numeric::is_finite(v)) return true;
+  if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
+    e->call = call;
+    e->input = input;
+    e->index = static_cast<long long>(i);
+  }
+  return false;
+}
+
 /// Scans x[0, n) on one block; the first non-finite value found sets the flag.
 __device__ inline void scan_finite(const float* x, std::size_t n, device_error* e, int call, int input) {
-  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = x[i];
-    if (!numeric::is_finite(v)) {
-      if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
-        e->call = call;
-        e->input = input;
-        e->index = static_cast<long long>(i);
-      }
-      break;
-    }
-  }
+  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x)
+    if (!check_finite(x, i, e, call, input)) break;
 }
 
 /// Multi-block version for large inputs (prefill).
 __global__ void scan_finite_kernel(const float* x, std::size_t n, device_error* e, int call, int input) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const float v = x[i];
-    if (!numeric::is_finite(v)) {
-      if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
-        e->call = call;
-        e->input = input;
-        e->index = static_cast<long long>(i);
-      }
-      return;
-    }
-  }
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    if (!check_finite(x, i, e, call, input)) return;
 }
 
 /// Rotates the pair (x0, x1) by +angle (sign 1) or -angle (sign -1) exactly as rope::rotary

@@ -289,31 +289,24 @@ struct token_reader {
   const std::byte* region;
   route_source src;
   int kind, slot;
-  __device__ float key(int w, int j, int h, int c) const {
+  __device__ float key(int w, int j, int h, int c) const { return load(false, w, j, h, c); }
+  __device__ float value(int w, int j, int h, int c) const { return load(true, w, j, h, c); }
+
+ private:
+  /// The element of the keys (value = false) or the values section: the recent ring (kind 0), a
+  /// Full slot (kind 1) or the prefill's rows.
+  __device__ float load(bool value, int w, int j, int h, int c) const {
     const decode_layout& L = P->L;
     const int D = L.head_dim;
-    if (kind == 0) {
-      const int s = (w * L.window + j) % L.recent_capacity;
-      return numeric::load(P->element, region + L.recent_offset, key_index(D, L.recent_capacity, h, s, c));
+    if (kind == 0 || kind == 1) {
+      const int capacity = kind == 0 ? L.recent_capacity : L.window;
+      const int s = kind == 0 ? (w * L.window + j) % L.recent_capacity : j;
+      const std::byte* base = kind == 0 ? region + L.recent_offset
+                                        : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
+      return numeric::load(P->element, base, value ? value_index(D, capacity, h, s, c) : key_index(D, capacity, h, s, c));
     }
-    if (kind == 1)
-      return numeric::load(P->element, region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes,
-                           key_index(D, L.window, h, j, c));
     const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
-    return src.k_post[(t * L.kv_heads + h) * D + c];
-  }
-  __device__ float value(int w, int j, int h, int c) const {
-    const decode_layout& L = P->L;
-    const int D = L.head_dim;
-    if (kind == 0) {
-      const int s = (w * L.window + j) % L.recent_capacity;
-      return numeric::load(P->element, region + L.recent_offset, value_index(D, L.recent_capacity, h, s, c));
-    }
-    if (kind == 1)
-      return numeric::load(P->element, region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes,
-                           value_index(D, L.window, h, j, c));
-    const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
-    return src.v[(t * L.kv_heads + h) * D + c];
+    return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
   }
 };
 
