@@ -99,7 +99,7 @@ class cuda_cache {
  public:
   cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
              std::size_t external_bytes, const cuda_settings& set = {})
-      : geo_(g), lim_(lim), opt_(opt), set_(set), plan_(make_region_plan<Config>(g, b, lim, 0)) {
+      : geo_(g), lim_(lim), opt_(opt), set_(set), plan_(make_region_plan<Config>(g, b, lim, 0)), sequences_(lim.max_batch) {
     for (int l = 0; l < g.layers; ++l) {
       plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
       detail::require(plans_.back().region_bytes == plan_.region_bytes,
@@ -179,7 +179,6 @@ class cuda_cache {
     q_rotated_ = alloc<float>(ws.q / sizeof(float));
     cs_table_ = alloc<float2>(ws.table / sizeof(float2));
     mirrors_.resize(lanes_total_);
-    sequences_.resize(static_cast<std::size_t>(lim.max_batch));
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
   }
 
@@ -203,27 +202,21 @@ class cuda_cache {
 
   // ---- sequences ---------------------------------------------------------------------------
   sequence_id add_sequence(long long first_position) {
-    for (std::size_t s = 0; s < sequences_.size(); ++s) {
-      if (sequences_[s].active) continue;
-      sequences_[s] = sequence{true, first_position};
-      kernels::lane_list list;
-      list.n = geo_.layers;
-      for (int l = 0; l < geo_.layers; ++l) {
-        list.lane[l] = lane_index(static_cast<sequence_id>(s), l);
-        mirrors_[static_cast<std::size_t>(list.lane[l])] = mirror{};
-      }
-      kernels::detail::reset_lanes_kernel<<<static_cast<unsigned>(geo_.layers), 256, 0, set_.stream>>>(P_, S_, list, first_position);
-      QEVICT_CUDA_CHECK_LAUNCH("reset_lanes_kernel");
-      return static_cast<sequence_id>(s);
+    const sequence_id s = sequences_.take(first_position);
+    kernels::lane_list list;
+    list.n = geo_.layers;
+    for (int l = 0; l < geo_.layers; ++l) {
+      list.lane[l] = lane_index(s, l);
+      mirrors_[static_cast<std::size_t>(list.lane[l])] = mirror{};
     }
-    throw error("add_sequence: all " + std::to_string(lim_.max_batch) + " sequence slots (limits::max_batch) are in use");
+    kernels::detail::reset_lanes_kernel<<<static_cast<unsigned>(geo_.layers), 256, 0, set_.stream>>>(P_, S_, list, first_position);
+    QEVICT_CUDA_CHECK_LAUNCH("reset_lanes_kernel");
+    return s;
   }
-  void remove_sequence(sequence_id s) { sequences_[static_cast<std::size_t>(s)].active = false; }
-  bool is_active(sequence_id s) const {
-    return s >= 0 && static_cast<std::size_t>(s) < sequences_.size() && sequences_[static_cast<std::size_t>(s)].active;
-  }
+  void remove_sequence(sequence_id s) { sequences_.release(s); }
+  bool is_active(sequence_id s) const { return sequences_.active(s); }
   int tokens(sequence_id s, int layer) const { return mirror_of(s, layer).tokens; }
-  long long first_position(sequence_id s) const { return sequences_[static_cast<std::size_t>(s)].first_position; }
+  long long first_position(sequence_id s) const { return sequences_.first_position(s); }
   bool recent_full(sequence_id s, int layer) const { return recent_full(mirror_of(s, layer)); }
 
   // ---- prefill -----------------------------------------------------------------------------
@@ -394,13 +387,12 @@ class cuda_cache {
     r.full_window_bytes = plan_.full_window_bytes;
     r.quantized_window_bytes = plan_.quantized_window_bytes();
     r.layers.resize(static_cast<std::size_t>(geo_.layers));
-    for (std::size_t s = 0; s < sequences_.size(); ++s) {
-      if (!sequences_[s].active) continue;
+    for (sequence_id s = 0; s < sequences_.size(); ++s) {
+      if (!sequences_.active(s)) continue;
       ++r.sequences;
       for (int l = 0; l < geo_.layers; ++l) {
-        const mirror& m = mirror_of(static_cast<sequence_id>(s), l);
-        add_lane(r.layers[static_cast<std::size_t>(l)], plan(l),
-                 counts_of(download_table(static_cast<sequence_id>(s), l), m), m.tokens);
+        const mirror& m = mirror_of(s, l);
+        add_lane(r.layers[static_cast<std::size_t>(l)], plan(l), counts_of(download_table(s, l), m), m.tokens);
       }
     }
     return r;
@@ -483,10 +475,6 @@ class cuda_cache {
   int aged(sequence_id s, int layer) const { return mirror_of(s, layer).aged; }
 
  private:
-  struct sequence {
-    bool active = false;
-    long long first_position = 0;
-  };
   /// Host mirror of a lane: all three follow from the calls alone.
   struct mirror {
     int tokens = 0;
@@ -588,7 +576,7 @@ class cuda_cache {
   float *part_o_ = nullptr, *part_mass_ = nullptr, *q_rotated_ = nullptr;
   float2 *part_ml_ = nullptr, *cs_table_ = nullptr;
   mutable std::vector<mirror> mirrors_;
-  std::vector<sequence> sequences_;
+  sequence_slots sequences_;
   mutable std::vector<std::uint8_t> record_copy_;
   float score_staging_ = 0.0f;
 };

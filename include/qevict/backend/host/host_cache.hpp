@@ -28,10 +28,9 @@
 #include "qevict/core/layout.hpp"
 #include "qevict/core/report.hpp"
 #include "qevict/core/routing.hpp"
+#include "qevict/core/sequences.hpp"
 
 namespace qevict {
-
-using sequence_id = std::int32_t;
 
 /// One attended token, as the optional attend() observer sees it.
 struct attention_event {
@@ -114,7 +113,7 @@ class host_cache {
   /// Plans only: the regions come later. Layers share everything but their budget
   /// (budget::with_layer_shares): each gets its own capacities and region size.
   host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte*, std::size_t, no_arena)
-      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim, 0)) {
+      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim, 0)), sequences_(lim.max_batch) {
     for (int l = 0; l < g.layers; ++l) {
       plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
       layer_offset_.push_back(sequence_stride_);
@@ -139,7 +138,6 @@ class host_cache {
       most.full = std::max(most.full, p.caps.full);
       most.quantized = std::max(most.quantized, p.caps.quantized);
     }
-    sequences_.resize(static_cast<std::size_t>(lim.max_batch));
     const std::size_t d = static_cast<std::size_t>(g.head_dim);
     const std::size_t max_access = static_cast<std::size_t>(plan_.sinks) +
                                    (most.full + most.quantized) * plan_.window +
@@ -174,21 +172,14 @@ class host_cache {
 
   // ---- sequences ---------------------------------------------------------------------------
   sequence_id add_sequence(long long first_position) {
-    for (std::size_t s = 0; s < sequences_.size(); ++s) {
-      if (!sequences_[s].active) {
-        sequences_[s] = sequence{true, first_position};
-        for (int l = 0; l < geo_.layers; ++l) reset_lane(static_cast<int>(s), l);
-        return static_cast<sequence_id>(s);
-      }
-    }
-    throw error("add_sequence: all " + std::to_string(lim_.max_batch) + " sequence slots (limits::max_batch) are in use");
+    const sequence_id s = sequences_.take(first_position);
+    for (int l = 0; l < geo_.layers; ++l) reset_lane(s, l);
+    return s;
   }
-  void remove_sequence(sequence_id s) { sequences_[static_cast<std::size_t>(s)].active = false; }
-  bool is_active(sequence_id s) const {
-    return s >= 0 && static_cast<std::size_t>(s) < sequences_.size() && sequences_[static_cast<std::size_t>(s)].active;
-  }
+  void remove_sequence(sequence_id s) { sequences_.release(s); }
+  bool is_active(sequence_id s) const { return sequences_.active(s); }
   int tokens(sequence_id s, int layer) const { return lane_of(s, layer).tokens; }
-  long long first_position(sequence_id s) const { return sequences_[static_cast<std::size_t>(s)].first_position; }
+  long long first_position(sequence_id s) const { return sequences_.first_position(s); }
   /// Whether an append to (s, layer) needs a routing event first to make room in the recent ring.
   bool recent_full(sequence_id s, int layer) const {
     const lane_state& lane = lane_of(s, layer);
@@ -407,12 +398,11 @@ class host_cache {
     r.full_window_bytes = plan_.full_window_bytes;
     r.quantized_window_bytes = plan_.quantized_window_bytes();
     r.layers.resize(static_cast<std::size_t>(geo_.layers));
-    for (std::size_t s = 0; s < sequences_.size(); ++s) {
-      if (!sequences_[s].active) continue;
+    for (sequence_id s = 0; s < sequences_.size(); ++s) {
+      if (!sequences_.active(s)) continue;
       ++r.sequences;
       for (int l = 0; l < geo_.layers; ++l) {
-        add_lane(r.layers[static_cast<std::size_t>(l)], plan(l), counts(static_cast<sequence_id>(s), l),
-                 lane_of(static_cast<sequence_id>(s), l).tokens);
+        add_lane(r.layers[static_cast<std::size_t>(l)], plan(l), counts(s, l), lane_of(s, l).tokens);
       }
     }
     return r;
@@ -468,10 +458,6 @@ class host_cache {
   int aged(sequence_id s, int layer) const { return lane_of(s, layer).aged; }
 
  private:
-  struct sequence {
-    bool active = false;
-    long long first_position = 0;
-  };
   struct lane_state {
     int tokens = 0;             ///< tokens appended to this (sequence, layer)
     int aged = 0;               ///< windows that have left the recent region
@@ -831,7 +817,7 @@ class host_cache {
   std::vector<std::byte> owned_;
   std::vector<std::byte*> regions_;  ///< one per (sequence slot, layer)
   std::vector<lane_state> lanes_;
-  std::vector<sequence> sequences_;
+  sequence_slots sequences_;
   // Scratch, sized at construction.
   std::vector<double> keys_, values_, logits_, token_mass_, token_score_, window_mass_, query_, head_out_;
   std::vector<int> token_index_;
