@@ -152,14 +152,21 @@ struct decode_layout {
     return d;
   }
 
-  /// The layout of a cache built from Config (its RoPE policy and its quantizer's key frame).
+  /// What attention does to the records of a cache built from Config (its RoPE policy and its
+  /// quantizer's key frame); anything but `none` also means the records were rotated back when
+  /// quantized.
+  template <class Config>
+  static constexpr record_rotation rotation_for() {
+    using frame = typename Config::quantizer::key_frame;
+    if constexpr (!Config::rope::rotates || frame::rotated) return record_rotation::none;
+    else if constexpr (std::is_same_v<frame, quantizers::key_frame::window_relative>) return record_rotation::query_per_window;
+    else return record_rotation::each_key;
+  }
+
+  /// The layout of a cache built from Config.
   template <class Config>
   static decode_layout for_config(const region_plan& p, rope_layout pairs) {
-    using frame = typename Config::quantizer::key_frame;
-    if constexpr (!Config::rope::rotates || frame::rotated) return from_plan(p, pairs, record_rotation::none);
-    else if constexpr (std::is_same_v<frame, quantizers::key_frame::window_relative>)
-      return from_plan(p, pairs, record_rotation::query_per_window);
-    else return from_plan(p, pairs, record_rotation::each_key);
+    return from_plan(p, pairs, rotation_for<Config>());
   }
 };
 

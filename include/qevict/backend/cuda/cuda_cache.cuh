@@ -94,7 +94,7 @@ class cuda_cache {
   static_assert(support::scorer, "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
   static constexpr bool rotates = rope::rotates;
   /// Whether a record's keys are rotated by the key frame's read rotation (and back when quantized).
-  static constexpr bool records_rotate = rotates && !quantizer::key_frame::rotated;
+  static constexpr bool records_rotate = kernels::decode_layout::rotation_for<Config>() != kernels::record_rotation::none;
 
  public:
   cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
