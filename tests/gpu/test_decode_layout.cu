@@ -1,0 +1,99 @@
+// The decode kernel's view of the byte plan (kernels::decode_layout), for every window size,
+// code width and head_dim the CUDA backend supports. These are the invariants its 16-byte copies
+// and its shared-memory slots rely on, which the launcher would otherwise only find on a GPU:
+//   - every section of a region, every Full slot and ledger record, and every 16-byte piece of a
+//     record part that copy_item stages, is 16-byte aligned;
+//   - an item's staged record (8 tokens) fits its shared-memory slot, in front of the per-window
+//     key data the kernel writes behind it;
+//   - the staged offsets are those of an 8-token record, and the ledger offsets those of the
+//     window's record;
+//   - a lane's items are counted the same way for the workspace (max_items) and at run time.
+// No kernel is launched: this program runs on machines without a GPU too.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstddef>
+
+#include "qevict/backend/cuda/supports.hpp"
+#include "qevict/cache.hpp"
+#include "qevict/kernels/decode_attention.cuh"
+#include "qevict/presets.hpp"
+
+namespace {
+
+using namespace qevict;
+
+template <class Config>
+void check_layouts(int head_dim, const budget& b) {
+  CAPTURE(head_dim);
+  static_assert(backend::cuda_supports<Config>);
+  geometry g;
+  g.layers = 1;
+  g.q_heads = 16;
+  g.kv_heads = 4;
+  g.head_dim = head_dim;
+  g.element = element_type::bf16;
+  const limits lim{.max_batch = 2, .max_tokens = 4096};
+  const region_plan p = make_region_plan<Config>(g, b, lim);
+  const kernels::decode_layout L = kernels::decode_layout::for_config<Config>(p, rope_layout::rotate_half);
+  const int W = Config::window_policy::size, bits = Config::quantizer::bits;
+  CAPTURE(W);
+  CAPTURE(bits);
+
+  // Sections and slots.
+  CHECK((L.region_bytes | L.sink_offset | L.recent_offset | L.full_offset | L.ledger_offset) % 16 == 0);
+  CHECK(L.full_window_bytes % 16 == 0);
+  // The staged record is an 8-token record; the ledger's is the window's.
+  const quantizers::record_layout staged = Config::quantizer::layout(8, 1, head_dim);
+  const quantizers::record_layout window = Config::quantizer::layout(W, 1, head_dim);
+  CHECK(L.key_scale_offset == staged.key_scale_offset());
+  CHECK(L.value_codes_offset == staged.value_codes_offset());
+  CHECK(L.value_zero_offset == staged.value_zero_offset());
+  CHECK(L.staged_record_bytes == staged.head_bytes());
+  CHECK(L.ledger_key_scale_offset == window.key_scale_offset());
+  CHECK(L.ledger_value_scale_offset == window.value_scale_offset());
+  CHECK(L.code_bits == bits);
+  // Records (only W >= 8 keeps them on the CUDA backend): each KV head's record is 16-byte
+  // aligned, and copy_item's pieces of part k (key codes, key scales and zeros, value codes,
+  // value scales, value zeros) are whole 16-byte pieces at 16-byte aligned offsets.
+  if (W >= 8) {
+    CHECK(L.record_head_bytes % 16 == 0);
+    const std::size_t part_codes = 8 * static_cast<std::size_t>(head_dim) * bits / 8;
+    CHECK(part_codes % 16 == 0);
+    for (int k = 0; k < W / 8; ++k) {
+      CHECK((k * part_codes) % 16 == 0);
+      CHECK((L.ledger_value_codes_offset + k * part_codes) % 16 == 0);
+      CHECK((L.ledger_value_scale_offset + 16 * k) % 16 == 0);
+      CHECK((L.ledger_value_zero_offset + 16 * k) % 16 == 0);
+    }
+    CHECK(L.ledger_key_scale_offset % 16 == 0);
+    CHECK(2 * staged.head_dim * staged.meta_bytes % 16 == 0);  // scales and zeros together
+  }
+  // The staged record fits in front of the per-window key data written behind it.
+  const int cs_offset = head_dim == 128 ? kernels::detail::window_cs_offset<128> : kernels::detail::window_cs_offset<64>;
+  CHECK(L.staged_record_bytes <= static_cast<std::size_t>(cs_offset));
+  // Items: the workspace's bound is the run-time count at the fullest state.
+  CHECK(L.max_items == L.items_for(L.entries_per_lane, p.recent_capacity));
+  CHECK(L.listed_items(L.entries_per_lane) == (W >= 8 ? L.entries_per_lane * (W / 8) : (L.entries_per_lane + 8 / W - 1) / (8 / W)));
+  CHECK(L.items_for(0, 0) == (p.sinks > 0 ? 1 : 0));
+}
+
+}  // namespace
+
+TEST_CASE("decode_layout: alignment, staged records and item counts for every window size and code width") {
+  using namespace quantizers;
+  for (const int d : {64, 128}) {
+    check_layouts<config<>>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_quantizer<asymmetric<4>>>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<16, 5, 32>>>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<16, 5, 32>>::with_quantizer<asymmetric<4, meta::bf16, key_frame::after_rope>>>(
+        d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<32, 5, 32>>>(d, budget::fraction(0.2));
+    check_layouts<presets::kivi2::config_type>(d, budget::everything());
+    check_layouts<presets::kivi4::config_type>(d, budget::everything());
+    check_layouts<presets::kvquant_like::config_type>(d, budget::everything());
+    check_layouts<presets::h2o::config_type>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<2, 8, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<4, 3, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
+  }
+}
