@@ -32,6 +32,12 @@ QEVICT_HOST_DEVICE constexpr tier tier_of(const window_record& w, bool aged) {
   return tier::evicted;
 }
 
+/// Windows of `window` tokens after `sinks` sinks that hold at least one of `tokens` tokens
+/// (complete or not). The kernels call it with their compile-time window size.
+QEVICT_HOST_DEVICE constexpr int windows_started(int tokens, int sinks, int window) {
+  return tokens > sinks ? (tokens - sinks + window - 1) / window : 0;
+}
+
 /// Bytes by term; used both for what a region reserves and for what it currently holds.
 struct byte_terms {
   std::size_t sink = 0;
@@ -83,9 +89,7 @@ struct region_plan {
   constexpr std::size_t table_bytes() const { return (table_entries() * sizeof(window_record) + 15u) & ~std::size_t{15}; }
   constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
   /// Windows that hold at least one of `tokens` tokens (complete or not).
-  constexpr int windows_started(int tokens) const {
-    return tokens > sinks ? (tokens - sinks + window - 1) / window : 0;
-  }
+  constexpr int windows_started(int tokens) const { return qevict::windows_started(tokens, sinks, window); }
 
   /// What the region reserves, by term (ledger copies share the quantized pool).
   byte_terms reserved() const {

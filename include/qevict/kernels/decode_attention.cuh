@@ -79,6 +79,21 @@ struct window_entry {
 ///                     per window, q . R(t0) k_rel = (R(t0)^T q) . k_rel.
 enum class record_rotation : int { each_key = 0, none = 1, query_per_window = 2 };
 
+/// Items of a lane, written once for the host (the layout's run-time window size) and the kernels
+/// (their compile-time W, so that the divisions fold away).
+struct item_count {
+  /// Windows per item: 8/W for W < 8, else 1.
+  QEVICT_HOST_DEVICE static constexpr int windows_per_item(int window) { return window >= 8 ? 1 : 8 / window; }
+  /// Items of `entries` listed windows: W/8 each for W >= 8, 8/W windows per item for W < 8.
+  QEVICT_HOST_DEVICE static constexpr int listed(int window, int entries) {
+    return window >= 8 ? entries * (window / 8) : (entries + windows_per_item(window) - 1) / windows_per_item(window);
+  }
+  /// Items of a lane: the sink group, `entries` listed windows, `recent_tokens` recent tokens.
+  QEVICT_HOST_DEVICE static constexpr int of_lane(int window, int sinks, int entries, int recent_tokens) {
+    return (sinks > 0 ? 1 : 0) + listed(window, entries) + (recent_tokens + 7) / 8;
+  }
+};
+
 /// Grid-invariant description of the byte layout (built on the host from region_plan).
 ///
 /// Items. The kernel works on items of 8 tokens whatever the window size W (1, 2, 4, 8, 16 or 32):
@@ -103,16 +118,11 @@ struct decode_layout {
   /// How attention turns a record's dequantized keys into the query's frame.
   record_rotation records = record_rotation::each_key;
 
-  /// Items per window (W >= 8) and windows per item (W < 8).
-  QEVICT_HOST_DEVICE constexpr int parts_per_window() const { return window >= 8 ? window / 8 : 1; }
-  QEVICT_HOST_DEVICE constexpr int windows_per_item() const { return window >= 8 ? 1 : 8 / window; }
-  /// Items of `entries` listed windows.
-  QEVICT_HOST_DEVICE constexpr int listed_items(int entries) const {
-    return window >= 8 ? entries * (window / 8) : (entries + windows_per_item() - 1) / windows_per_item();
-  }
-  /// Items of a lane with `entries` listed windows and `recent_tokens` tokens in the recent region.
+  /// item_count with this layout's window size.
+  QEVICT_HOST_DEVICE constexpr int windows_per_item() const { return item_count::windows_per_item(window); }
+  QEVICT_HOST_DEVICE constexpr int listed_items(int entries) const { return item_count::listed(window, entries); }
   QEVICT_HOST_DEVICE constexpr int items_for(int entries, int recent_tokens) const {
-    return (sinks > 0 ? 1 : 0) + listed_items(entries) + (recent_tokens + 7) / 8;
+    return item_count::of_lane(window, sinks, entries, recent_tokens);
   }
 
   /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records need
@@ -271,7 +281,7 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
     }
     --i;
   }
-  const int listed = L.listed_items(lane.n_entries);
+  const int listed = item_count::listed(W, lane.n_entries);
   if (i < listed) {
     if constexpr (W >= 8) {
       const window_entry e = entries[i / (W / 8)];
@@ -336,8 +346,9 @@ struct item_ref {
   }
 };
 
+template <int W>
 __device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane) {
-  return L.items_for(lane.n_entries, max(0, lane.tokens - L.sinks - lane.aged * L.window));
+  return item_count::of_lane(W, L.sinks, lane.n_entries, max(0, lane.tokens - L.sinks - lane.aged * W));
 }
 
 /// Items are staged in shared memory: rows of D elements padded by 16 bytes, so that the eight
@@ -397,7 +408,7 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
       const int q = lane_id + 32 * k;
       const int row = q / per_row, col = q % per_row;
       const int kv = row >> 3, r = row & 7;
-      const bool ok = (it.kind == 1 || it.kind == 3) && r < it.valid;
+      const bool ok = (it.kind == 1 || (W < 8 && it.kind == 3)) && r < it.valid;  // kind 3 only exists for W < 8
       const std::uint8_t* src = region;
       if (ok) {
         if (W < 8 && it.kind == 3) {
@@ -737,7 +748,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
-  const int n_items = items_of(L, lane);
+  const int n_items = items_of<W>(L, lane);
   const int first_item = chunk * A.items_per_chunk;
   if (first_item >= n_items) return;
   const int chunk_items = min(A.items_per_chunk, n_items - first_item);
@@ -747,7 +758,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int G = L.group;
 
   // Windows per item (W < 8: each has its own mass).
-  constexpr int S = W >= 8 ? 1 : 8 / W;
+  constexpr int S = item_count::windows_per_item(W);
   constexpr int mass_items = EmitMass ? max_items_per_chunk : 1;
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
   __shared__ float mass_s[mass_items][S][8];  // sum exp(s - m_ref) of each window of the item, per head
@@ -808,7 +819,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   float m_run = -INFINITY, l_run = 0.0f, z_run = 0.0f;
 
   const int n_pairs = (chunk_items + 1) / 2;
-  auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * L.window; };
+  auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
   const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
   // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
@@ -835,13 +846,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
     std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
     std::uint8_t* s_b = s_a + item_bytes<D>;
-    // e^{i t0 f_p} of a quantized item, stored in its slot behind the record.
-    float2* cs_a = reinterpret_cast<float2*>(s_a + key_extra_offset<D>);
-    float2* cs_b = reinterpret_cast<float2*>(s_b + key_extra_offset<D>);
-    if constexpr (QueryPerWindow) {
-      cs_a = reinterpret_cast<float2*>(s_a + window_cs_offset<D>);
-      cs_b = reinterpret_cast<float2*>(s_b + window_cs_offset<D>);
-    }
+    // e^{i t0 f_p} of a quantized item, stored in its slot behind the record (window-relative
+    // records: in front of the key metadata that stage_key_meta writes there).
+    constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
+    float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
+    float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
     if ((RotateRecords || QueryPerWindow) && (kind_a == 2 || kind_b == 2)) {
       // Keys rotated one by one: from the item's first token; the query rotated per window: by
       // the window's first token, the frame of the whole record.
@@ -1034,7 +1043,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
-  const int n_items = items_of(L, lane);
+  const int n_items = items_of<W>(L, lane);
   const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
   const int G = L.group, HQ = L.kv_heads * G;
   for (int qh = threadIdx.x; qh < HQ; qh += blockDim.x) {
@@ -1062,11 +1071,11 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   if constexpr (EmitMass) {
     // One thread per listed or recent window: the sum of its items' values (W > 8: its parts; W < 8:
     // its share of one item) over heads, added to its score once.
-    constexpr int S = W >= 8 ? 1 : 8 / W, P = W >= 8 ? W / 8 : 1;
+    constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const int started = lane.tokens > L.sinks ? (lane.tokens - L.sinks + W - 1) / W : 0;
+    const int started = windows_started(lane.tokens, L.sinks, W);
     const int first_item = L.sinks > 0 ? 1 : 0;
-    const int listed_items = L.listed_items(lane.n_entries);
+    const int listed_items = item_count::listed(W, lane.n_entries);
     if (i < lane.n_entries + (started - lane.aged)) {
       const bool listed = i < lane.n_entries;
       const int r = listed ? i : i - lane.n_entries;  // index among the listed or among the recent windows
@@ -1141,7 +1150,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   const int hq = L.kv_heads * L.group;
   // Enough threads for every window of the longest lane (max_items items hold at most
   // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
-  const int max_windows = W >= 8 ? max_items : max_items * (8 / W);
+  const int max_windows = max_items * item_count::windows_per_item(W);
   const int blocks_x = std::max((max_windows + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
   const std::size_t smem = static_cast<std::size_t>(chunks) * hq * sizeof(float);
   qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");

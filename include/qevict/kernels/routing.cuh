@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int aged_before = lane.aged;
   const int span = tokens - L.sinks - P.recent;
   const int aged_after = max(aged_before, span > 0 ? span / L.window : 0);
-  const int started = tokens > L.sinks ? (tokens - L.sinks + L.window - 1) / L.window : 0;
+  const int started = windows_started(tokens, L.sinks, L.window);
   const bool frozen = !Routing::rerank_after_first_event && extra.routed != 0;
   const int full_capacity = frozen ? extra.free_full : P.full_capacity;
   const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
