@@ -42,6 +42,7 @@ struct decode_state {
   std::byte* arena = nullptr;
   kernels::lane_state* lanes = nullptr;
   kernels::window_entry* entries = nullptr;
+  int* entry_counts = nullptr;
   int* batch_lanes = nullptr;
   float *q = nullptr, *out = nullptr, *part_o = nullptr, *part_mass = nullptr;
   float2* part_ml = nullptr;
@@ -54,14 +55,14 @@ struct decode_state {
 
   kernels::decode_arguments arguments() const {
     kernels::decode_arguments a;
-    a.arena = arena; a.lanes = lanes; a.entries = entries; a.batch_lanes = batch_lanes; a.batch = batch;
+    a.arena = arena; a.lanes = lanes; a.entries = entries; a.entry_counts = entry_counts; a.batch_lanes = batch_lanes; a.batch = batch;
     a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.q_rotated = q_rotated; a.cs_table = cs_table;
     a.items_per_chunk = items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(layout, items_per_chunk);
     return a;
   }
   void release() {
-    cudaFree(arena); cudaFree(lanes); cudaFree(entries); cudaFree(batch_lanes); cudaFree(q); cudaFree(out);
+    cudaFree(arena); cudaFree(lanes); cudaFree(entries); cudaFree(entry_counts); cudaFree(batch_lanes); cudaFree(q); cudaFree(out);
     cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(q_rotated); cudaFree(cs_table); cudaFree(inv_freq);
   }
 };
@@ -99,7 +100,7 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   s.n_quantized = static_cast<int>(std::min<std::size_t>(p.caps.quantized, aged - s.n_full));
   std::vector<kernels::window_entry> entries(static_cast<std::size_t>(batch) * s.layout.entries_per_lane);
   std::vector<kernels::lane_state> lanes(batch);
-  std::vector<int> batch_lanes(batch);
+  std::vector<int> entry_counts(batch), batch_lanes(batch);
   for (int l = 0; l < batch; ++l) {
     // Spread the kept windows over the whole context, as routing leaves them, Full ones among them.
     const int kept = s.n_full + s.n_quantized;
@@ -111,7 +112,8 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
       entries[static_cast<std::size_t>(l) * s.layout.entries_per_lane + i] =
           full ? kernels::window_entry{w, used_full++} : kernels::window_entry{w, ~used_quantized++};
     }
-    lanes[l] = kernels::lane_state{context, aged, kept, 0, 0};
+    lanes[l] = kernels::lane_state{context, aged, 0, static_cast<long long>(s.layout.region_offset(l))};
+    entry_counts[l] = kept;
     batch_lanes[l] = l;
   }
   const int nf = s.n_full, nq = s.n_quantized;
@@ -126,6 +128,8 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   QEVICT_CUDA_CHECK(cudaMemcpy(s.lanes, lanes.data(), lanes.size() * sizeof(lanes[0]), cudaMemcpyHostToDevice));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.entries, std::max<std::size_t>(1, entries.size()) * sizeof(entries[0])));
   QEVICT_CUDA_CHECK(cudaMemcpy(s.entries, entries.data(), entries.size() * sizeof(entries[0]), cudaMemcpyHostToDevice));
+  QEVICT_CUDA_CHECK(cudaMalloc(&s.entry_counts, batch * sizeof(int)));
+  QEVICT_CUDA_CHECK(cudaMemcpy(s.entry_counts, entry_counts.data(), batch * sizeof(int), cudaMemcpyHostToDevice));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.batch_lanes, batch * sizeof(int)));
   QEVICT_CUDA_CHECK(cudaMemcpy(s.batch_lanes, batch_lanes.data(), batch * sizeof(int), cudaMemcpyHostToDevice));
   const std::size_t qn = static_cast<std::size_t>(batch) * g.q_heads * d;

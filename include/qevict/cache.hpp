@@ -288,16 +288,20 @@ class cache {
     check_size("read_window", "v", v.size(), n);
     engine_.read_window(s, layer, w, k_post.data(), v.data());
   }
-  /// The bytes of window w's ledger record (empty if it was never quantized).
-  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+  /// The bytes of window w's ledger record of routing unit `unit` (the KV head with
+  /// selection::per_kv_head, else 0); empty if it was never quantized.
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w, int unit = 0) const {
     check_window("ledger_record", s, layer, w);
-    return engine_.ledger_record(s, layer, w);
+    check_unit("ledger_record", unit, false);
+    return engine_.ledger_record(s, layer, w, unit);
   }
-  /// Overrides window w's cumulative score (external importance signals, experiments).
-  void set_score(sequence_id s, int layer, int w, float score) {
+  /// Overrides window w's cumulative score (external importance signals, experiments): of routing
+  /// unit `unit`, or of all its units when unit is -1.
+  void set_score(sequence_id s, int layer, int w, float score, int unit = -1) {
     check_window("set_score", s, layer, w);
+    check_unit("set_score", unit, true);
     detail::require(numeric::is_finite(score), [&] { return "set_score: score must be finite"; });
-    engine_.set_score(s, layer, w, score);
+    engine_.set_score(s, layer, w, score, unit);
   }
 
  private:
@@ -328,6 +332,13 @@ class cache {
     detail::require(w >= 0 && w < engine_.windows_started(engine_.tokens(s, layer)), [&] {
       return std::string(call) + ": window " + std::to_string(w) + " does not exist in sequence " + std::to_string(s) +
              ", layer " + std::to_string(layer);
+    });
+  }
+  void check_unit(const char* call, int unit, bool all_allowed) const {
+    const int units = engine_.plan().units;
+    detail::require((all_allowed && unit == -1) || (unit >= 0 && unit < units), [&] {
+      return std::string(call) + ": unit " + std::to_string(unit) + " does not exist (the cache has " + std::to_string(units) +
+             " routing unit" + (units == 1 ? "" : "s") + " per window" + (all_allowed ? "; -1 means all of them)" : ")");
     });
   }
   void check_batch(const char* call, int layer, std::span<const sequence_id> seqs) const {

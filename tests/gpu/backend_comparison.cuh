@@ -136,28 +136,37 @@ struct twin {
     return worst;
   }
 
+  /// Offset of the region of (s, l) in either arena: sequence-major, then layer, each layer's
+  /// region its own size (budget::with_layer_shares).
+  std::size_t region_offset(qevict::sequence_id s, int l) const {
+    std::size_t stride = 0, offset = 0;
+    for (int k = 0; k < g.layers; ++k) {
+      if (k == l) offset = stride;
+      stride += host.plan(k).region_bytes;
+    }
+    return static_cast<std::size_t>(s) * stride + offset;
+  }
   std::vector<qevict::window_record> device_table(qevict::sequence_id s, int l) {
-    std::vector<qevict::window_record> t(static_cast<std::size_t>(host.plan().max_windows));
-    const std::size_t region = host.plan().region_bytes;
-    QEVICT_CUDA_CHECK(cudaMemcpy(t.data(), dev_arena.ptr + (static_cast<std::size_t>(s) * g.layers + l) * region,
-                                 t.size() * sizeof(qevict::window_record), cudaMemcpyDeviceToHost));
+    std::vector<qevict::window_record> t(host.plan().table_entries());
+    QEVICT_CUDA_CHECK(cudaMemcpy(t.data(), dev_arena.ptr + region_offset(s, l), t.size() * sizeof(qevict::window_record),
+                                 cudaMemcpyDeviceToHost));
     return t;
   }
   const qevict::window_record* host_table(qevict::sequence_id s, int l) const {
-    return reinterpret_cast<const qevict::window_record*>(host_base + (static_cast<std::size_t>(s) * g.layers + l) *
-                                                                          host.plan().region_bytes);
+    return reinterpret_cast<const qevict::window_record*>(host_base + region_offset(s, l));
   }
 
-  /// Tiers and slots of every window identical on both sides.
+  /// Tiers and slots of every table entry (window, or window and KV head with per-KV-head
+  /// selection) identical on both sides.
   void compare_tables(qevict::sequence_id s, int l, const char* when) {
     const auto dt = device_table(s, l);
     const qevict::window_record* ht = host_table(s, l);
-    const int started = host.windows(s, l).size();
+    const int entries = host.windows(s, l).size();
     int mismatches = 0;
-    for (int w = 0; w < started; ++w)
-      if (dt[w].full_slot != ht[w].full_slot || dt[w].ledger_slot != ht[w].ledger_slot) ++mismatches;
+    for (int e = 0; e < entries; ++e)
+      if (dt[e].full_slot != ht[e].full_slot || dt[e].ledger_slot != ht[e].ledger_slot) ++mismatches;
     CHECK_MESSAGE(mismatches == 0, when << ": sequence " << s << " layer " << l << ": " << mismatches << " of "
-                                        << started << " windows differ in tier or slot");
+                                        << entries << " table entries differ in tier or slot");
     const auto hw = host.windows(s, l), dw = dev.windows(s, l);
     REQUIRE(hw.size() == dw.size());
     for (std::size_t i = 0; i < hw.size(); ++i) REQUIRE(hw[i].where == dw[i].where);
@@ -172,7 +181,7 @@ struct twin {
     for (std::size_t i = 0; i < hw.size(); ++i) {
       num += std::abs(static_cast<double>(dw[i].score) - hw[i].score);
       den += std::abs(static_cast<double>(hw[i].score));
-      if (hw[i].where != qevict::tier::evicted) host.set_score(s, l, static_cast<int>(i), dw[i].score);
+      if (hw[i].where != qevict::tier::evicted) host.set_score(s, l, hw[i].index, dw[i].score, hw[i].unit);
     }
     return den > 0.0 ? num / den : 0.0;
   }
@@ -180,19 +189,20 @@ struct twin {
   /// Byte-for-byte arena comparison (scores aside); returns differing bytes.
   std::size_t arena_differences(const std::vector<qevict::sequence_id>& seqs, std::size_t& compared) {
     const std::vector<std::byte> d = dev_arena.download();
-    const qevict::region_plan& p = host.plan();
     std::size_t diff = 0;
     compared = 0;
     for (qevict::sequence_id s : seqs)
       for (int l = 0; l < g.layers; ++l) {
-        const std::size_t base = (static_cast<std::size_t>(s) * g.layers + l) * p.region_bytes;
+        const qevict::region_plan& p = host.plan(l);
+        const std::size_t base = region_offset(s, l);
         const int tokens = host.tokens(s, l);
-        // Window table without scores.
+        // Window table without scores (one entry per window and routing unit).
         const auto ht = host_table(s, l);
         const auto* dt = reinterpret_cast<const qevict::window_record*>(d.data() + base);
-        for (int w = 0; w < host.windows(s, l).size(); ++w) {
+        const int entries = host.windows(s, l).size();
+        for (int e = 0; e < entries; ++e) {
           compared += 8;
-          diff += (ht[w].full_slot != dt[w].full_slot) + (ht[w].ledger_slot != dt[w].ledger_slot);
+          diff += (ht[e].full_slot != dt[e].full_slot) + (ht[e].ledger_slot != dt[e].ledger_slot);
         }
         // Sinks and the recent ring (only slots that hold tokens), Full and ledger slots in use.
         auto cmp = [&](std::size_t off, std::size_t n) {
@@ -201,10 +211,10 @@ struct twin {
         };
         if (tokens >= p.sinks) cmp(p.sink_offset, p.sink_bytes());
         if (tokens >= p.sinks + p.recent_capacity) cmp(p.recent_offset, p.recent_bytes());
-        for (int w = 0; w < host.windows(s, l).size(); ++w) {
-          if (ht[w].full_slot >= 0) cmp(p.full_offset + ht[w].full_slot * p.full_window_bytes, p.full_window_bytes);
-          if (ht[w].ledger_slot >= 0)
-            cmp(p.ledger_offset + ht[w].ledger_slot * p.quantized_window_bytes(), p.quantized_window_bytes());
+        for (int e = 0; e < entries; ++e) {
+          if (ht[e].full_slot >= 0) cmp(p.full_offset + ht[e].full_slot * p.full_window_bytes, p.full_window_bytes);
+          if (ht[e].ledger_slot >= 0)
+            cmp(p.ledger_offset + ht[e].ledger_slot * p.quantized_window_bytes(), p.quantized_window_bytes());
         }
       }
     return diff;

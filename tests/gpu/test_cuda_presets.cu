@@ -105,3 +105,53 @@ TEST_CASE("CUDA backend: windows of 2, 4 and 16 tokens") {
   run_shapes<sixteen>(budget::fraction(0.20), 2021);
   run_shapes<sixteen_relative>(budget::fraction(0.10), 2031);
 }
+
+TEST_CASE("CUDA backend: per-KV-head selection (each KV head ranks, stores and quantizes its own windows)") {
+  // Three tiers with records before RoPE (W = 8), 4-bit records after RoPE in windows of 16, and
+  // window-relative records; adakv and defensivekv above cover W = 1 without records.
+  using per_head = config<>::with_selection<selection::per_kv_head>;
+  using per_head_post4 = per_head::with_quantizer<quantizers::asymmetric<4, meta::bf16, quantizers::key_frame::after_rope>>::with_window<
+      window<16, 5, 32>>;
+  using per_head_relative = per_head::with_quantizer<quantizers::asymmetric<2, meta::bf16, quantizers::key_frame::window_relative>>;
+  static_assert(backend::cuda_supports<per_head> && backend::cuda_supports<per_head_post4> &&
+                backend::cuda_supports<per_head_relative>);
+  // The heads must actually choose differently, or the test would not tell per-head lists from
+  // one shared list: count the aged windows whose two KV heads sit in different tiers.
+  int split_windows = 0;
+  const auto count_splits = [&](auto& t, sequence_id s, int l, gpu_test::routing_event) {
+    const auto ws = t.host.windows(s, l);
+    for (std::size_t i = 0; i + 1 < ws.size(); i += 2)
+      if (ws[i].where != ws[i + 1].where) ++split_windows;
+  };
+  unsigned seed = 4001;
+  for (const case_spec& c : shapes(budget::fraction(0.20))) {
+    CAPTURE(c.head_dim);
+    run_case<per_head>(c, seed++, count_splits);
+    run_case<per_head_post4>(c, seed++, count_splits);
+    run_case<per_head_relative>(c, seed++, count_splits);
+  }
+  MESSAGE("windows whose KV heads were in different tiers after an event: " << split_windows);
+  CHECK(split_windows > 0);
+}
+
+TEST_CASE("CUDA backend: a budget per layer (budget::with_layer_shares), so every layer's region has its own size") {
+  // layer_defensivekv's own use (per-KV-head selection, W = 1, two tiers) and a three-tier cache
+  // with records, whose Full and ledger sections then start at different offsets in each layer.
+  using layer_defensive = presets::layer_defensivekv::config_type;
+  using three_tier = config<>;
+  const budget shares = budget::fraction(0.20).with_layer_shares({1.0, 2.0, 4.0});
+  const int steps = quick() ? 24 : 128;
+  const case_spec small{64, 2, 5, element_type::bf16, shares, 700, steps, 3, rope_layout::rotate_half, true};
+  const case_spec large{128, 4, 3, element_type::f16, shares, 600, steps, 3, rope_layout::interleaved, false};
+  run_case<layer_defensive>(small, 5001);
+  run_case<layer_defensive>(large, 5002);
+  run_case<three_tier>(small, 5003);
+  run_case<three_tier>(large, 5004);
+  // The layers really differ.
+  const qevict::region_plan p0 = make_region_plan<three_tier>(
+      geometry{.layers = 3, .q_heads = 4, .kv_heads = 2, .head_dim = 64, .element = element_type::bf16}, shares, limits{.max_batch = 5, .max_tokens = 2048}, 0);
+  const qevict::region_plan p2 = make_region_plan<three_tier>(
+      geometry{.layers = 3, .q_heads = 4, .kv_heads = 2, .head_dim = 64, .element = element_type::bf16}, shares, limits{.max_batch = 5, .max_tokens = 2048}, 2);
+  CHECK(p0.region_bytes < p2.region_bytes);
+  CHECK(p0.caps.full < p2.caps.full);
+}

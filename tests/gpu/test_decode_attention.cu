@@ -40,6 +40,7 @@ struct built_cache {
   std::vector<std::byte> arena;
   std::vector<kernels::lane_state> lanes;
   std::vector<kernels::window_entry> entries;
+  std::vector<int> entry_counts;  ///< per lane (one routing unit)
   int max_items = 0;
 };
 
@@ -51,6 +52,7 @@ built_cache lanes_of(const cache<Config>& kv, const std::vector<std::byte>& aren
   out.arena = arena;
   const region_plan& p = kv.plan();
   out.lanes.resize(seqs.size());
+  out.entry_counts.resize(seqs.size());
   out.entries.assign(seqs.size() * static_cast<std::size_t>(L.entries_per_lane), kernels::window_entry{0, 0});
   for (std::size_t b = 0; b < seqs.size(); ++b) {
     const auto ws = kv.windows(seqs[b], 0);
@@ -65,8 +67,9 @@ built_cache lanes_of(const cache<Config>& kv, const std::vector<std::byte>& aren
     kernels::lane_state& s = out.lanes[b];
     s.tokens = kv.tokens(seqs[b], 0);
     s.aged = aged;
-    s.n_entries = n;
+    out.entry_counts[b] = n;
     s.first_position = first[b];
+    s.region = static_cast<long long>(L.region_offset(static_cast<int>(b)));
     const int items = (p.sinks > 0 ? 1 : 0) + n + (static_cast<int>(ws.size()) - aged);
     out.max_items = std::max(out.max_items, items);
   }
@@ -141,6 +144,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   device_buffer<std::byte> d_arena(built.arena);
   device_buffer<kernels::lane_state> d_lanes(built.lanes);
   device_buffer<kernels::window_entry> d_entries(built.entries);
+  device_buffer<int> d_counts(built.entry_counts);
   device_buffer<int> d_batch(batch_lanes);
   device_buffer<float> d_q(q);
   device_buffer<float> d_out(q.size());
@@ -157,6 +161,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   a.arena = d_arena.ptr;
   a.lanes = d_lanes.ptr;
   a.entries = d_entries.ptr;
+  a.entry_counts = d_counts.ptr;
   a.batch_lanes = d_batch.ptr;
   a.batch = spec.batch;
   a.q = d_q.ptr;

@@ -7,7 +7,9 @@
 //     key data the kernel writes behind it;
 //   - the staged offsets are those of an 8-token record, and the ledger offsets those of the
 //     window's record;
-//   - a lane's items are counted the same way for the workspace (max_items) and at run time.
+//   - a lane's items are counted the same way for the workspace (max_items) and at run time;
+//   - each KV head maps to its routing unit and its place in the unit's slots and records;
+//   - with a budget per layer, each layer's regions lie where the host backend puts them.
 // No kernel is launched: this program runs on machines without a GPU too.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -76,6 +78,15 @@ void check_layouts(int head_dim, const budget& b) {
   CHECK(L.max_items == L.items_for(L.entries_per_lane, p.recent_capacity));
   CHECK(L.listed_items(L.entries_per_lane) == (W >= 8 ? L.entries_per_lane * (W / 8) : (L.entries_per_lane + 8 / W - 1) / (8 / W)));
   CHECK(L.items_for(0, 0) == (p.sinks > 0 ? 1 : 0));
+  // Routing units: the whole layer, or one KV head each.
+  CHECK(L.units == p.units);
+  CHECK(L.units * L.heads_per_unit == g.kv_heads);
+  for (int h = 0; h < g.kv_heads; ++h) {
+    CHECK(L.unit_of(h) * L.heads_per_unit + L.head_in_unit(h) == h);
+    CHECK(L.unit_of(h) < L.units);
+    CHECK(L.head_in_unit(h) < L.heads_per_unit);
+  }
+  CHECK(L.full_window_bytes == static_cast<std::size_t>(W) * L.heads_per_unit * 2 * head_dim * 2);
 }
 
 }  // namespace
@@ -95,5 +106,35 @@ TEST_CASE("decode_layout: alignment, staged records and item counts for every wi
     check_layouts<presets::h2o::config_type>(d, budget::fraction(0.2));
     check_layouts<config<>::with_window<window<2, 8, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
     check_layouts<config<>::with_window<window<4, 3, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
+    check_layouts<presets::adakv::config_type>(d, budget::fraction(0.2));
+    check_layouts<presets::criticalkv::config_type>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_selection<selection::per_kv_head>>(d, budget::fraction(0.2));
   }
+}
+
+TEST_CASE("decode_layout: regions of a cache with a budget per layer, in the host backend's order") {
+  using cfg = presets::layer_defensivekv::config_type;
+  geometry g;
+  g.layers = 3;
+  g.q_heads = 8;
+  g.kv_heads = 2;
+  g.head_dim = 64;
+  g.element = element_type::bf16;
+  const budget b = budget::fraction(0.5).with_layer_shares({1.0, 2.0, 4.0});
+  const limits lim{.max_batch = 3, .max_tokens = 1024};
+  std::size_t stride = 0, offsets[3];
+  for (int l = 0; l < 3; ++l) {
+    offsets[l] = stride;
+    stride += make_region_plan<cfg>(g, b, lim, l).region_bytes;
+  }
+  CHECK(stride == cache<cfg>::required_bytes(g, b, lim) / lim.max_batch);
+  for (int l = 0; l < 3; ++l) {
+    kernels::decode_layout L = kernels::decode_layout::for_config<cfg>(make_region_plan<cfg>(g, b, lim, l), rope_layout::rotate_half);
+    L.layers = 3;
+    L.sequence_stride = stride;
+    L.layer_offset = offsets[l];
+    for (int s = 0; s < lim.max_batch; ++s) CHECK(L.region_offset(s * 3 + l) == s * stride + offsets[l]);
+  }
+  // The layers' regions differ in size (otherwise this would not test much).
+  CHECK(offsets[1] - offsets[0] < offsets[2] - offsets[1]);
 }

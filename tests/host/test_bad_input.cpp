@@ -192,6 +192,10 @@ TEST_CASE("append and attend: shapes, positions, non-finite values, ids, layers"
   expect_error([&] { (void)t.a.tokens(ids[0], 7); }, "tokens: layer 7 is out of range");
   expect_error([&] { t.a.set_score(ids[0], 0, 0, std::numeric_limits<float>::infinity()); }, "score must be finite");
   expect_error([&] { t.a.set_score(ids[0], 0, 999, 1.0f); }, "window 999 does not exist");
+  // Routing units: this cache has one per window (selection::per_layer).
+  expect_error([&] { t.a.set_score(ids[0], 0, 0, 1.0f, 1); }, "set_score: unit 1 does not exist (the cache has 1 routing unit per window; -1 means all of them)");
+  expect_error([&] { t.a.set_score(ids[0], 0, 0, 1.0f, -2); }, "set_score: unit -2 does not exist");
+  expect_error([&] { (void)t.a.ledger_record(ids[0], 0, 0, -1); }, "ledger_record: unit -1 does not exist (the cache has 1 routing unit per window)");
   std::vector<float> wk(8 * krow), wv(8 * krow);
   expect_error([&] { t.a.read_window(ids[0], 0, 0, std::span(wk).first(3), wv); }, "k_post has 3 floats");
   t.check_unchanged();
@@ -253,4 +257,33 @@ TEST_CASE("manual routing: append into a full recent region is refused until rou
   t.b.route(t.ids[1]);
   CHECK(t.a.counts(t.ids[1], 0).recent_tokens < 47u);
   t.check_unchanged();
+}
+
+TEST_CASE("per-KV-head selection: set_score and ledger_record address one routing unit (KV head)") {
+  using per_head = qevict::config<>::with_selection<qevict::selection::per_kv_head>;
+  qevict::cache<per_head> kv(geo, qevict::budget::fraction(0.6), qevict::limits{.max_batch = 1, .max_tokens = 160});
+  const qevict::sequence_id s = kv.add_sequence(0);
+  rng r{7};
+  for (int l = 0; l < geo.layers; ++l) {
+    const auto q = r.normals(80 * qrow), k = r.normals(80 * krow), v = r.normals(80 * krow);
+    std::vector<float> out(80 * qrow);
+    kv.prefill(l, s, q, k, v, out);
+  }
+  kv.set_score(s, 1, 2, 5.0f, 1);  // KV head 1 of window 2 only
+  for (const qevict::window_info& w : kv.windows(s, 1))
+    if (w.index == 2) CHECK((w.unit == 1) == (w.score == 5.0f));
+  kv.set_score(s, 1, 3, 7.0f);  // every unit
+  int set = 0;
+  for (const qevict::window_info& w : kv.windows(s, 1)) set += w.index == 3 && w.score == 7.0f;
+  CHECK(set == geo.kv_heads);
+  expect_error([&] { kv.set_score(s, 1, 3, 1.0f, 2); }, "set_score: unit 2 does not exist (the cache has 2 routing units per window");
+  // Each KV head's record holds that head only.
+  int records = 0;
+  for (const qevict::window_info& w : kv.windows(s, 0))
+    if (w.has_ledger) {
+      CHECK(kv.ledger_record(s, 0, w.index, w.unit).size() == kv.plan().quantized_window_bytes());
+      ++records;
+    }
+  CHECK(records > 0);
+  expect_error([&] { (void)kv.ledger_record(s, 0, 0, 2); }, "ledger_record: unit 2 does not exist");
 }

@@ -880,25 +880,21 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   });
   // docs/policies.md, "Backends".
   CHECK(on_cuda == std::set<std::string>{"qevict", "qevict_post_rope", "qevict_window_relative", "full_kv", "streaming_llm", "h2o",
-                                         "snapkv", "kivi2", "kivi4", "kvquant_like", "r2", "r3", "r4"});
+                                         "snapkv", "adakv", "criticalkv", "defensivekv", "layer_defensivekv", "kivi2", "kivi4",
+                                         "kvquant_like", "r2", "r3", "r4"});
+  // layer_defensivekv is defensivekv's configuration, used with budget::with_layer_shares.
+  static_assert(std::is_same_v<presets::layer_defensivekv::config_type, presets::defensivekv::config_type>);
   // The reasons the others stay on the host backend.
-  using adakv = cuda_support<presets::adakv::config_type>;
-  CHECK_FALSE(adakv::selection);
-  CHECK(adakv::quantizer);
-  using criticalkv = cuda_support<presets::criticalkv::config_type>;
-  CHECK_FALSE(criticalkv::selection);
-  CHECK_FALSE(criticalkv::scorer);
-  CHECK_FALSE(cuda_support<presets::defensivekv::config_type>::selection);
-  CHECK_FALSE(cuda_support<presets::layer_defensivekv::config_type>::selection);
   using zipcache = cuda_support<presets::zipcache_like::config_type>;
   CHECK(zipcache::quantizer);  // its 2-bit tier
   CHECK_FALSE(zipcache::full_tier);
   using r1 = cuda_support<presets::r1::config_type>;  // W = 1 with quantized records
   CHECK_FALSE(r1::short_windows);
   CHECK(r1::quantizer);
-  CHECK(r1::selection);
   // The same rule on compositions: W < 8 runs with two tiers, not with records.
   using qevict::config;
+  // Value-weighted scores (criticalkv's) need a cache without records.
+  CHECK_FALSE(cuda_support<presets::criticalkv::config_type::with_allocator<qevict::allocators::three_tier<>>>::scorer);
   CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>::with_allocator<qevict::allocators::two_tier>>);
   CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_window<qevict::window<4, 5, 32>>>);
   CHECK(qevict::backend::cuda_supports<config<>::with_window<qevict::window<16, 5, 32>>>);

@@ -43,15 +43,17 @@ struct lane_extra {
   int routed = 0;              ///< 1 once the lane had a routing event (a frozen selection then holds)
 };
 
-/// One data movement of a routing event (one window, all KV heads).
+/// One data movement of a routing event: one table entry (window * units + unit), the KV heads
+/// of that unit.
 struct migration_task {
-  std::int32_t window = 0;
+  std::int32_t entry = 0;
   std::int32_t source = 0;    ///< 0: recent ring, 1: Full slot src_slot, 2: prefill buffers, 3: ledger slot src_slot
   std::int32_t src_slot = 0;
   std::int32_t dst_slot = 0;  ///< ledger slot (quantize) or Full slot (store)
 };
 
-/// Grid-invariant description of the cache, built on the host from region_plan.
+/// Grid-invariant description of one layer of the cache, built on the host from its region_plan
+/// (a launch covers lanes of one layer).
 struct cache_params {
   decode_layout L;
   element_type element = element_type::bf16;
@@ -59,18 +61,22 @@ struct cache_params {
   int recent = 0;              ///< L: tokens that never age
   int routing_interval = 0;
   int max_windows = 0;
-  int sort_capacity = 0;       ///< power of two >= max_windows (routing's shared-memory sort)
-  int full_capacity = 0;       ///< K_f
-  int ledger_capacity = 0;     ///< K_q
+  int sort_capacity = 0;       ///< power of two >= max_windows * units (routing's shared-memory sort)
+  int full_capacity = 0;       ///< K_f (in units) of this layer
+  int ledger_capacity = 0;     ///< K_q (in units) of this layer
+  int full_stride = 0;         ///< free-slot stack entries per lane (the largest K_f of any layer)
+  int ledger_stride = 0;       ///< the same for K_q
   int max_tasks = 0;           ///< per lane and routing event, of each kind
 };
 
 /// Device pointers of the state (every array is sized at construction).
 struct cache_pointers {
   std::byte* arena = nullptr;
-  lane_state* lanes = nullptr;          ///< the truth for tokens, aged, n_entries, first position
+  lane_state* lanes = nullptr;          ///< the truth for tokens, aged, first position
   lane_state* attend_lanes = nullptr;   ///< what the decode kernel reads (zeroed for a bad call)
-  window_entry* entries = nullptr;      ///< window list: entries_per_lane per lane
+  window_entry* entries = nullptr;      ///< window lists: entries_per_lane per (lane, unit)
+  int* entry_counts = nullptr;          ///< entries of each list (the truth)
+  int* attend_counts = nullptr;         ///< what the decode kernel reads (zeroed for a bad call)
   lane_extra* extra = nullptr;
   std::int32_t* free_full = nullptr;    ///< K_f per lane (a stack)
   std::int32_t* free_ledger = nullptr;  ///< K_q per lane (a stack)
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
   const int lane_index = list.lane[b];
   const lane_state lane = S.lanes[lane_index];
   const int t = lane.tokens;
-  std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  std::byte* region = S.arena + L.region_offset(lane_index);
   const bool sink = t < L.sinks;
   void* base = region + (sink ? L.sink_offset : L.recent_offset);
   const int C = sink ? L.sinks : L.recent_capacity;
@@ -176,7 +182,7 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
   if (threadIdx.x == 0) {
     if (t >= L.sinks && (t - L.sinks) % L.window == 0) {  // first token of a new window
       const int w = (t - L.sinks) / L.window;
-      reinterpret_cast<window_record*>(region)[w].score = Scorer::initial_score(w);
+      for (int u = 0; u < L.units; ++u) reinterpret_cast<window_record*>(region)[w * L.units + u].score = Scorer::initial_score(w);
     }
     S.lanes[lane_index].tokens = t + 1;
   }
@@ -196,27 +202,33 @@ __global__ void __launch_bounds__(1024) attend_prologue_kernel(const cache_param
     if (bad) {
       s.tokens = 0;
       s.aged = 0;
-      s.n_entries = 0;
     } else {
       ++S.extra[l].steps;
     }
     S.attend_lanes[l] = s;
+    for (int u = 0; u < P.L.units; ++u) {
+      const std::size_t list = static_cast<std::size_t>(l) * P.L.units + u;
+      S.attend_counts[list] = bad ? 0 : S.entry_counts[list];
+    }
   }
 }
 
-/// Resets the lanes of a new sequence: empty table, every slot free. One block per lane.
+/// Resets the lanes of a new sequence: empty table, every slot free. One block per listed lane (all
+/// of P's layer).
 __global__ void reset_lanes_kernel(const cache_params P, const cache_pointers S, const lane_list list, long long first_position) {
   const int l = list.lane[blockIdx.x];
-  window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(l) * P.L.region_bytes);
-  for (int e = threadIdx.x; e < P.max_windows; e += blockDim.x) table[e] = window_record{};
+  window_record* table = reinterpret_cast<window_record*>(S.arena + P.L.region_offset(l));
+  for (int e = threadIdx.x; e < P.max_windows * P.L.units; e += blockDim.x) table[e] = window_record{};
+  for (int u = threadIdx.x; u < P.L.units; u += blockDim.x) S.entry_counts[static_cast<std::size_t>(l) * P.L.units + u] = 0;
   // Host order: the stack holds K-1 ... 0, so the first pop gives slot 0.
   for (int i = threadIdx.x; i < P.full_capacity; i += blockDim.x)
-    S.free_full[static_cast<std::size_t>(l) * P.full_capacity + i] = P.full_capacity - 1 - i;
+    S.free_full[static_cast<std::size_t>(l) * P.full_stride + i] = P.full_capacity - 1 - i;
   for (int i = threadIdx.x; i < P.ledger_capacity; i += blockDim.x)
-    S.free_ledger[static_cast<std::size_t>(l) * P.ledger_capacity + i] = P.ledger_capacity - 1 - i;
+    S.free_ledger[static_cast<std::size_t>(l) * P.ledger_stride + i] = P.ledger_capacity - 1 - i;
   if (threadIdx.x == 0) {
     lane_state s;
     s.first_position = first_position;
+    s.region = static_cast<long long>(P.L.region_offset(l));
     S.lanes[l] = s;
     S.attend_lanes[l] = s;
     lane_extra x;

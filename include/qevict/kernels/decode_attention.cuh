@@ -4,9 +4,11 @@
 // RoPE are rotated in registers at their positions, keys quantized after RoPE are used as they
 // are) and the recent region, with each window's attention mass as a by-product.
 //
-// Work list. Every (sequence, layer) — a lane — has a compact window list (CSR-style: a fixed
-// stride per lane and a count) of (window index, slot) entries for its Full and Quantized
-// windows. The kernel sees one virtual list of "items" of 8 tokens per lane:
+// Work list. Every (sequence, layer) — a lane — has one compact window list per routing unit
+// (CSR-style: a fixed stride per list and a count) of (window index, slot) entries for its Full
+// and Quantized windows. A unit is the whole layer (selection::per_layer: one list) or one KV head
+// (selection::per_kv_head: each KV head keeps its own windows, in Full slots and ledger records
+// of its own). The kernel sees one virtual list of "items" of 8 tokens per lane and KV head:
 //   [the sink group] [the listed windows' items] [the recent region's items]
 // (a window of W >= 8 tokens is W/8 items; with W < 8 an item gathers 8/W listed windows).
 // A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
@@ -57,13 +59,15 @@
 
 namespace qevict::kernels {
 
-/// Device-resident state of one lane (sequence slot, layer).
+/// Device-resident state of one lane (sequence slot, layer). The entry counts of its window lists
+/// are kept apart (decode_arguments::entry_counts), one per routing unit.
 struct lane_state {
   int tokens = 0;
   int aged = 0;
-  int n_entries = 0;  ///< entries in the lane's window list
-  int pad = 0;
   long long first_position = 0;
+  /// Byte offset of the lane's region in the arena (decode_layout::region_offset, stored when the
+  /// lane is reset, so that the decode kernel loads it instead of dividing by the layer count).
+  long long region = 0;
 };
 
 /// One Full or Quantized window in a lane's list. slot >= 0: Full slot; slot < 0: ledger slot ~slot.
@@ -103,6 +107,21 @@ struct item_count {
 /// window's tokens, copied into every part), so the compute never sees W.
 struct decode_layout {
   int kv_heads = 0, group = 0, head_dim = 0, window = 0, sinks = 0, recent_capacity = 0;
+  /// Where the regions of this layout's layer lie: lane l (sequence l / layers, this layer) at
+  /// region_offset(l). Layers may differ in size (a budget per layer), so a layout describes one
+  /// layer; by default one layer of lane-major regions (lane l at l * region_bytes).
+  int layers = 1;
+  std::size_t sequence_stride = 0, layer_offset = 0;
+  /// Routing units per window (1, or kv_heads with per-KV-head selection) and the KV heads of one
+  /// unit: a Full slot and a ledger record hold one unit's heads, and every unit has its own window
+  /// list (list of lane l, unit u: l * units + u).
+  int units = 1, heads_per_unit = 1;
+
+  /// KV head h's unit and its place among the unit's heads. Units are the whole layer or single
+  /// heads, so both are a select rather than a division (which the decode kernel, at its register
+  /// limit, would rather spill than recompute).
+  QEVICT_HOST_DEVICE constexpr int unit_of(int h) const { return units == 1 ? 0 : h; }
+  QEVICT_HOST_DEVICE constexpr int head_in_unit(int h) const { return units == 1 ? h : 0; }
   rope_layout layout = rope_layout::rotate_half;
   std::size_t region_bytes = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
   std::size_t full_window_bytes = 0, record_bytes = 0, record_head_bytes = 0;
@@ -113,10 +132,15 @@ struct decode_layout {
   std::size_t ledger_key_scale_offset = 0, ledger_value_codes_offset = 0, ledger_value_scale_offset = 0,
               ledger_value_zero_offset = 0;
   int code_bits = 2;  ///< bits of a record's codes (2 or 4)
-  int entries_per_lane = 0;
+  int entries_per_lane = 0;  ///< capacity of one window list (one lane and unit)
   int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items
   /// How attention turns a record's dequantized keys into the query's frame.
   record_rotation records = record_rotation::each_key;
+
+  /// Byte offset of lane l's region in the arena.
+  QEVICT_HOST_DEVICE constexpr std::size_t region_offset(int lane) const {
+    return static_cast<std::size_t>(lane / layers) * sequence_stride + layer_offset;
+  }
 
   /// item_count with this layout's window size.
   QEVICT_HOST_DEVICE constexpr int windows_per_item() const { return item_count::windows_per_item(window); }
@@ -132,12 +156,15 @@ struct decode_layout {
     d.layout = pairs;
     d.records = rotation;
     d.kv_heads = p.kv_heads;
+    d.units = p.units;
+    d.heads_per_unit = p.heads_per_unit;
     d.group = p.q_heads / p.kv_heads;
     d.head_dim = p.head_dim;
     d.window = p.window;
     d.sinks = p.sinks;
     d.recent_capacity = p.recent_capacity;
     d.region_bytes = p.region_bytes;
+    d.sequence_stride = p.region_bytes;
     d.sink_offset = p.sink_offset;
     d.recent_offset = p.recent_offset;
     d.full_offset = p.full_offset;
@@ -157,6 +184,7 @@ struct decode_layout {
     d.ledger_value_codes_offset = p.record.value_codes_offset();
     d.ledger_value_scale_offset = p.record.value_scale_offset();
     d.ledger_value_zero_offset = p.record.value_zero_offset();
+    // Caps count units of the whole layer, so one unit can hold up to all of them.
     d.entries_per_lane = static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows));
     d.max_items = d.items_for(d.entries_per_lane, p.recent_capacity);
     return d;
@@ -182,9 +210,10 @@ struct decode_layout {
 
 /// What one launch reads and writes. All pointers are device pointers.
 struct decode_arguments {
-  std::byte* arena = nullptr;              ///< regions, lane-major: region of lane l at l * region_bytes
+  std::byte* arena = nullptr;              ///< regions: lane l's at L.region_offset(l)
   const lane_state* lanes = nullptr;       ///< per lane
-  const window_entry* entries = nullptr;   ///< per lane, entries_per_lane each
+  const window_entry* entries = nullptr;   ///< per list (lane * units + unit), entries_per_lane each
+  const int* entry_counts = nullptr;       ///< per list: its entries
   const int* batch_lanes = nullptr;        ///< lane of each batch element
   int batch = 0;
   const float* q = nullptr;                ///< [batch][q_heads][head_dim], before RoPE
@@ -255,19 +284,23 @@ struct head_sections {
   const std::uint8_t* recent;  // the recent ring
 };
 
+/// A Full slot and a ledger record hold the heads of one routing unit: KV head h is head
+/// head_in_unit(h) there (h itself with per-layer selection, 0 with per-KV-head selection).
 template <int ElementBytes>
 __device__ __forceinline__ head_sections sections_of(const decode_layout& L, const std::uint8_t* region, int h) {
   const std::size_t d = static_cast<std::size_t>(L.head_dim) * ElementBytes;
-  return head_sections{region + L.sink_offset + h * 2 * L.sinks * d, region + L.full_offset + h * 2 * L.window * d,
-                       region + L.ledger_offset + h * L.record_head_bytes, region + L.recent_offset + h * 2 * L.recent_capacity * d};
+  const int in_unit = L.head_in_unit(h);
+  return head_sections{region + L.sink_offset + h * 2 * L.sinks * d, region + L.full_offset + in_unit * 2 * L.window * d,
+                       region + L.ledger_offset + in_unit * L.record_head_bytes,
+                       region + L.recent_offset + h * 2 * L.recent_capacity * d};
 }
 
 /// Item `item` of a lane (the virtual list [sink group][listed windows' items][recent items]).
 /// For a kind-3 item, rows[r] receives the offset from the region of token r's key row.
 template <int W>
 __device__ __forceinline__ item_view describe_item(const decode_layout& L, const head_sections& at, const std::uint8_t* region,
-                                                   const lane_state& lane, const window_entry* entries, int item,
-                                                   int n_items, std::uint32_t* rows) {
+                                                   const lane_state& lane, const window_entry* entries, int n_entries,
+                                                   int item, int n_items, std::uint32_t* rows) {
   item_view v{0, nullptr, 0, 0, 0, -1, 0};
   if (item >= n_items) return v;
   int i = item;
@@ -281,7 +314,7 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
     }
     --i;
   }
-  const int listed = item_count::listed(W, lane.n_entries);
+  const int listed = item_count::listed(W, n_entries);
   if (i < listed) {
     if constexpr (W >= 8) {
       const window_entry e = entries[i / (W / 8)];
@@ -300,7 +333,7 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
     } else {
       // Full windows only (the CUDA backend keeps no records for W < 8).
       constexpr int per_item = 8 / W;
-      const int first = i * per_item, n = min(per_item, lane.n_entries - first);
+      const int first = i * per_item, n = min(per_item, n_entries - first);
       v.kind = 3;
       v.capacity = W;
       v.valid = n * W;
@@ -347,8 +380,13 @@ struct item_ref {
 };
 
 template <int W>
-__device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane) {
-  return item_count::of_lane(W, L.sinks, lane.n_entries, max(0, lane.tokens - L.sinks - lane.aged * W));
+__device__ __forceinline__ int items_of(const decode_layout& L, const lane_state& lane, int n_entries) {
+  return item_count::of_lane(W, L.sinks, n_entries, max(0, lane.tokens - L.sinks - lane.aged * W));
+}
+
+/// The window list of (lane, KV head h): its unit's.
+__device__ __forceinline__ int list_of(const decode_layout& L, int lane_index, int h) {
+  return lane_index * L.units + L.unit_of(h);
 }
 
 /// Items are staged in shared memory: rows of D elements padded by 16 bytes, so that the eight
@@ -733,7 +771,30 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     }
 }
 
-template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits>
+/// ‖v‖ of the tokens 2t and 2t+1 of a staged item of token rows (values in rows 8-15), for
+/// value-weighted window mass. Lane 4r + k sums the squares of token r's channels in quarter k.
+template <int D, bool Bf16>
+__device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int lane_id, int t) {
+  const int r = lane_id >> 2, k = lane_id & 3;
+  const std::uint8_t* row = s_item + (8 + r) * row_stride<D> + k * (D / 4) * 2;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 4; i += 8) {
+    const uint4 x = *reinterpret_cast<const uint4*>(row + 2 * i);
+    const std::uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = warp::unpack_16<Bf16>(w[j]);
+      sq = fmaf(f.x, f.x, sq);
+      sq = fmaf(f.y, f.y, sq);
+    }
+  }
+  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+  return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
+}
+
+template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr bool RotateRecords = Records == record_rotation::each_key;
@@ -748,7 +809,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
-  const int n_items = items_of<W>(L, lane);
+  const int list = list_of(L, lane_index, h);
+  const int n_entries = A.entry_counts[list];
+  const int n_items = items_of<W>(L, lane, n_entries);
   const int first_item = chunk * A.items_per_chunk;
   if (first_item >= n_items) return;
   const int chunk_items = min(A.items_per_chunk, n_items - first_item);
@@ -767,14 +830,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __shared__ item_ref items_s[max_items_per_chunk];         // this chunk's items, pairs padded with empty ones
   __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
 
-  const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
   {
     const head_sections at = sections_of<2>(L, region, h);
-    const window_entry* entries = A.entries + static_cast<std::size_t>(lane_index) * L.entries_per_lane;
+    const window_entry* entries = A.entries + static_cast<std::size_t>(list) * L.entries_per_lane;
     for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x)
-      items_s[li] = item_ref::of(
-          describe_item<W>(L, at, region, lane, entries, first_item + li, first_item + chunk_items, rows_s[W < 8 ? li : 0]),
-          region);
+      items_s[li] = item_ref::of(describe_item<W>(L, at, region, lane, entries, n_entries, first_item + li,
+                                                  first_item + chunk_items, rows_s[W < 8 ? li : 0]),
+                                 region);
   }
 
   // Query of head g as A fragments: rows 0-7 its high part, rows 8-15 its low part.
@@ -926,18 +989,24 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
     z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
     if constexpr (EmitMass) {
-      // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens.
+      // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
+      // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
       const bool has_b = li_b < chunk_items;
+      float2 wa = make_float2(1.f, 1.f), wb = wa;
+      if constexpr (ValueWeighted) {
+        wa = value_norms<D, Bf16>(s_a, lane_id, t);
+        wb = value_norms<D, Bf16>(s_b, lane_id, t);
+      }
       if constexpr (W == 1) {
-        mass_s[li_a][2 * t][g] = pa0;
-        mass_s[li_a][2 * t + 1][g] = pa1;
+        mass_s[li_a][2 * t][g] = pa0 * wa.x;
+        mass_s[li_a][2 * t + 1][g] = pa1 * wa.y;
         if (has_b) {
-          mass_s[li_b][2 * t][g] = pb0;
-          mass_s[li_b][2 * t + 1][g] = pb1;
+          mass_s[li_b][2 * t][g] = pb0 * wb.x;
+          mass_s[li_b][2 * t + 1][g] = pb1 * wb.y;
         }
       } else {
         constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
-        float ma = pa0 + pa1, mb = pb0 + pb1;
+        float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
 #pragma unroll
         for (int o = 1; o < threads_per_window; o <<= 1) {
           ma += __shfl_xor_sync(0xffffffffu, ma, o);
@@ -1039,15 +1108,19 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 /// Log-sum-exp merge of the chunks; output and window mass. Grid: (x, batch).
 template <int D, bool EmitMass, class Scorer, int W>
 __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L, const decode_arguments A) {
-  extern __shared__ float factor_s[];  // [chunks][q_heads]: exp2(m_chunk - LSE)
+  extern __shared__ float merge_s[];  // [kv_heads] chunk counts (int), then [chunks][q_heads] factors
+  int* chunks_s = reinterpret_cast<int*>(merge_s);
+  float* factor_s = merge_s + L.kv_heads;  // exp2(m_chunk - LSE)
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
-  const int n_items = items_of<W>(L, lane);
-  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
   const int G = L.group, HQ = L.kv_heads * G;
+  // Chunks of each KV head: its unit's list decides its items.
+  for (int h = threadIdx.x; h < L.kv_heads; h += blockDim.x)
+    chunks_s[h] = (items_of<W>(L, lane, A.entry_counts[list_of(L, lane_index, h)]) + A.items_per_chunk - 1) / A.items_per_chunk;
+  __syncthreads();
   for (int qh = threadIdx.x; qh < HQ; qh += blockDim.x) {
-    const int h = qh / G, hg = qh % G;
+    const int h = qh / G, hg = qh % G, n_chunks = chunks_s[h];
     const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
     float M = -INFINITY, S = 0.f;
     for (int c = 0; c < n_chunks; ++c) {
@@ -1069,36 +1142,43 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   __syncthreads();
 
   if constexpr (EmitMass) {
-    // One thread per listed or recent window: the sum of its items' values (W > 8: its parts; W < 8:
-    // its share of one item) over heads, added to its score once.
+    // Thread i takes the i-th listed or recent window of every unit: the sum of its items' values
+    // (W > 8: its parts; W < 8: its share of one item) over the unit's heads, added to its score
+    // once. A unit's mass is divided by its query heads, so that a step's masses of one unit sum
+    // to 1 (the host's rule; with per-layer selection, all query heads).
     constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int started = windows_started(lane.tokens, L.sinks, W);
     const int first_item = L.sinks > 0 ? 1 : 0;
-    const int listed_items = item_count::listed(W, lane.n_entries);
-    if (i < lane.n_entries + (started - lane.aged)) {
-      const bool listed = i < lane.n_entries;
-      const int r = listed ? i : i - lane.n_entries;  // index among the listed or among the recent windows
-      const int base = first_item + (listed ? 0 : listed_items);
+    const int hu = L.heads_per_unit;
+    window_record* table = reinterpret_cast<window_record*>(A.arena + lane.region);
+    for (int u = 0; u < L.units; ++u) {
+      const int list = lane_index * L.units + u;
+      const int n_entries = A.entry_counts[list];
+      if (i >= n_entries + (started - lane.aged)) continue;
+      const int n_items = items_of<W>(L, lane, n_entries);
+      const bool listed = i < n_entries;
+      const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
+      const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
       const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
       float mass = 0.f;
       for (int p = 0; p < P && item0 + p < n_items; ++p) {
         const int li = item0 + p, c = li / A.items_per_chunk;
-        for (int h = 0; h < L.kv_heads; ++h) {
+        for (int h = u * hu; h < (u + 1) * hu; ++h) {
           const float* pm = A.part_mass +
                             (((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
           for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
         }
       }
-      mass /= static_cast<float>(HQ);
-      const int w = listed ? A.entries[static_cast<std::size_t>(lane_index) * L.entries_per_lane + i].window : lane.aged + r;
-      window_record* table = reinterpret_cast<window_record*>(A.arena + static_cast<std::size_t>(lane_index) * L.region_bytes);
-      table[w].score = Scorer::accumulate(table[w].score, mass);
+      mass /= static_cast<float>(HQ / L.units);
+      const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
+      window_record& rec = table[w * L.units + u];
+      rec.score = Scorer::accumulate(rec.score, mass);
     }
   }
 
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < HQ * D; e += gridDim.x * blockDim.x) {
-    const int qh = e / D, c = e % D, h = qh / G, hg = qh % G;
+    const int qh = e / D, c = e % D, h = qh / G, hg = qh % G, n_chunks = chunks_s[h];
     const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
     float acc = 0.f;
     for (int ch = 0; ch < n_chunks; ++ch) acc += A.part_o[((row0 + ch) * G + hg) * D + c] * factor_s[ch * HQ + qh];
@@ -1123,7 +1203,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // Rows and records are read in 16-byte pieces: every section of every region must be 16-byte
   // aligned. The window table (12 bytes a window) breaks this unless max_windows is a multiple of
   // 4, e.g. limits::max_tokens a power of two >= 32 with 5 sinks.
-  qevict::detail::require((L.region_bytes | L.sink_offset | L.recent_offset | L.full_offset | L.ledger_offset) % 16 == 0 &&
+  qevict::detail::require((L.region_bytes | L.sink_offset | L.recent_offset | L.full_offset | L.ledger_offset | L.sequence_stride |
+                           L.layer_offset) % 16 == 0 &&
                               reinterpret_cast<std::uintptr_t>(args.arena) % 16 == 0,
                           "decode_attention: regions are not 16-byte aligned; choose limits::max_tokens so that "
                           "(max_tokens - sinks + window - 1) / window is a multiple of 4");
@@ -1139,20 +1220,22 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(L.staged_record_bytes <= static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
+  // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
+  constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
+  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, value_weighted>;
   static const bool smem_set = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
   }();
   (void)smem_set;
-  detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits><<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  kernel<<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   // Enough threads for every window of the longest lane (max_items items hold at most
   // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
   const int max_windows = max_items * item_count::windows_per_item(W);
   const int blocks_x = std::max((max_windows + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
-  const std::size_t smem = static_cast<std::size_t>(chunks) * hq * sizeof(float);
+  const std::size_t smem = (static_cast<std::size_t>(chunks) * hq + L.kv_heads) * sizeof(float);
   qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");
   if (smem > 48 * 1024)
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,

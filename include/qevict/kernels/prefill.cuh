@@ -37,8 +37,10 @@ __global__ void rotate_rows_kernel(const cache_params P, const cache_pointers S,
 }
 
 /// Causal attention of queries first_row..n-1 (grid.x) for every query head (grid.y); 4 warps.
-/// Observation queries (>= first_observer) add p / q_heads of each token to their window's mass.
-template <int D>
+/// Observation queries (>= first_observer) add p / (query heads of the unit) of each token to the
+/// mass of its window's table entry (window * units + unit), in qmass[observer][started * units];
+/// times ‖v‖ of the token for a value-weighted scorer.
+template <int D, bool ValueWeighted>
 __global__ void __launch_bounds__(128) prefill_attention_kernel(const cache_params P, const cache_pointers S, const float* qr,
                                                                 const float* kr, const float* v, float* out, double* qmass,
                                                                 int n, int q0, int first_row, int first_observer, int started) {
@@ -93,42 +95,57 @@ __global__ void __launch_bounds__(128) prefill_attention_kernel(const cache_para
       out[(static_cast<std::size_t>(i) * HQ + qh) * D + c] = o / Ls;
     }
   if (i >= first_observer) {
-    double* row = qmass + static_cast<std::size_t>(i - first_observer) * started;
+    const int U = L.units, u = kvh / L.heads_per_unit;
+    const double unit_queries = static_cast<double>(HQ) / U;
+    double* row = qmass + static_cast<std::size_t>(i - first_observer) * started * U;
     for (int j = L.sinks + warp; j <= i; j += 4) {
       const float p = __expf(logit(j) - Mx) / Ls;
-      if (lane == 0) atomicAdd(row + (j - L.sinks) / L.window, static_cast<double>(p) / HQ);
+      double weight = 1.0;
+      if constexpr (ValueWeighted) {
+        const float* vj = v + j * krow + static_cast<std::size_t>(kvh) * D;
+        float sq = 0.f;
+#pragma unroll
+        for (int m = 0; m < M; ++m) sq = fmaf(vj[lane + 32 * m], vj[lane + 32 * m], sq);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        weight = sqrtf(sq);
+      }
+      if (lane == 0) atomicAdd(row + (j - L.sinks) / L.window * U + u, weight * p / unit_queries);
     }
   }
 }
 
-/// The scorer's aggregation of the observation queries, one thread per window: row o of qmass
-/// ([observers][started]) holds query o's window masses; row 0 receives their aggregate.
+/// The scorer's aggregation of the observation queries, one thread per table entry: row o of
+/// qmass ([observers][entries]) holds query o's masses; row 0 receives their aggregate.
 template <class Scorer>
-__global__ void prefill_aggregate_kernel(const cache_pointers S, double* qmass, int observers, int started) {
+__global__ void prefill_aggregate_kernel(const cache_pointers S, double* qmass, int observers, int entries) {
   if (failed(S.error)) return;
-  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < started; w += gridDim.x * blockDim.x) {
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < entries; e += gridDim.x * blockDim.x) {
     double m = 0.0;
     for (int o = 0; o < observers; ++o)
-      m = scorers::aggregate_observation<Scorer>(m, qmass[static_cast<std::size_t>(o) * started + w]);
-    qmass[w] = m;
+      m = scorers::aggregate_observation<Scorer>(m, qmass[static_cast<std::size_t>(o) * entries + e]);
+    qmass[e] = m;
   }
 }
 
-/// Initial scores from the aggregated observation masses (qmass row 0, after the scorer's
-/// pooling); sinks and recent tokens into their blocks; the lane's token count.
+/// Initial scores from the aggregated observation masses (qmass row 0, after the scorer's pooling
+/// over the neighbouring windows of the same unit); sinks and recent tokens into their blocks; the
+/// lane's token count.
 template <class Scorer>
 __global__ void prefill_place_kernel(const cache_params P, const cache_pointers S, int lane_index, const float* kr, const float* v,
                                      const double* mass, int n, int started, int aged_after) {
   if (failed(S.error)) return;
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
-  std::byte* region = S.arena + static_cast<std::size_t>(lane_index) * L.region_bytes;
+  std::byte* region = S.arena + L.region_offset(lane_index);
   window_record* table = reinterpret_cast<window_record*>(region);
   const std::size_t tid = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t w = tid; w < static_cast<std::size_t>(started); w += stride) {
-    const double m = scorers::pooled_prefill_mass<Scorer>(mass, 1, static_cast<int>(w), started);
-    table[w].score = Scorer::accumulate(Scorer::initial_score(static_cast<int>(w)), static_cast<float>(m));
+  const int U = L.units;
+  for (std::size_t e = tid; e < static_cast<std::size_t>(started) * U; e += stride) {
+    const int w = static_cast<int>(e / U);
+    const double m = scorers::pooled_prefill_mass<Scorer>(mass + e % U, U, w, started);
+    table[e].score = Scorer::accumulate(Scorer::initial_score(w), static_cast<float>(m));
   }
   const int recent_from = L.sinks + aged_after * L.window;
   for (std::size_t e = tid; e < static_cast<std::size_t>(n) * H * D; e += stride) {

@@ -2,11 +2,13 @@
 // Routing events on the device (Algorithm 1), for every due (sequence, layer) lane in one launch
 // of each of three kernels:
 //
-//   route_decide_kernel   one CTA per lane: candidates = Full ∪ Quantized ∪ newly aged windows,
-//                         sorted in shared memory by (score desc, window asc) — core/routing.hpp's
-//                         ranks_before — then assign_tiers' rule (K_f, then K_q − |F ∩ ledger|),
-//                         slot bookkeeping, window-table update, window list, after_routing.
-//                         A frozen selection ranks only the newly aged windows, for the free slots.
+//   route_decide_kernel   one CTA per lane: candidates = Full ∪ Quantized ∪ newly aged table
+//                         entries (window * units + unit: a window, or one KV head of it with
+//                         per-KV-head selection), sorted in shared memory by (score desc, entry
+//                         asc) — core/routing.hpp's ranks_before — then assign_tiers' rule (K_f,
+//                         then K_q − |F ∩ ledger|, both in units), slot bookkeeping, window-table
+//                         update, each unit's window list, after_routing. A frozen selection ranks
+//                         only the newly aged entries, for the free slots.
 //   quantize_kernel       first demotions into the ledger (from a Full slot, the recent ring or
 //                         the prefill's buffers): unrotate, quantize with the policy's own code.
 //   store_full_kernel     promotions (dequantize + RoPE) and newly aged windows into Full slots.
@@ -94,9 +96,9 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int l = list.lane[blockIdx.x];
   lane_state& lane = S.lanes[l];
   lane_extra& extra = S.extra[l];
-  window_record* table = reinterpret_cast<window_record*>(S.arena + static_cast<std::size_t>(l) * L.region_bytes);
-  std::int32_t* free_full = S.free_full + static_cast<std::size_t>(l) * P.full_capacity;
-  std::int32_t* free_ledger = S.free_ledger + static_cast<std::size_t>(l) * P.ledger_capacity;
+  window_record* table = reinterpret_cast<window_record*>(S.arena + L.region_offset(l));
+  std::int32_t* free_full = S.free_full + static_cast<std::size_t>(l) * P.full_stride;
+  std::int32_t* free_ledger = S.free_ledger + static_cast<std::size_t>(l) * P.ledger_stride;
   migration_task* qtasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
   migration_task* stasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
 
@@ -108,16 +110,17 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const bool frozen = !Routing::rerank_after_first_event && extra.routed != 0;
   const int full_capacity = frozen ? extra.free_full : P.full_capacity;
   const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
+  const int U = L.units;
 
-  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged (order is restored by the sort); only the
-  // newly aged under a frozen selection.
+  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries (order is restored by the sort); only
+  // the newly aged under a frozen selection. Entry e belongs to window e / U.
   if (threadIdx.x == 0) n_candidates = 0;
   __syncthreads();
-  for (int w = (frozen ? aged_before : 0) + threadIdx.x; w < aged_after; w += blockDim.x) {
-    const window_record r = table[w];
-    if (tier_of(r, w < aged_before) == tier::evicted) continue;
+  for (int e = (frozen ? aged_before : 0) * U + threadIdx.x; e < aged_after * U; e += blockDim.x) {
+    const window_record r = table[e];
+    if (tier_of(r, e / U < aged_before) == tier::evicted) continue;
     const int at = atomicAdd(&n_candidates, 1);
-    keys[at] = (static_cast<unsigned long long>(descending_score_key(r.score)) << 32) | static_cast<std::uint32_t>(w);
+    keys[at] = (static_cast<unsigned long long>(descending_score_key(r.score)) << 32) | static_cast<std::uint32_t>(e);
   }
   __syncthreads();
   const int n = n_candidates;
@@ -159,9 +162,9 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
 #pragma unroll
     for (int i = 0; i < 7; ++i) f[i] = false;
     if (r >= n) return;
-    const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
-    const window_record rec = table[w];
-    const tier prev = tier_of(rec, w < aged_before);
+    const int e = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
+    const window_record rec = table[e];
+    const tier prev = tier_of(rec, e / U < aged_before);
     const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
     f[0] = next == tier::evicted && rec.full_slot >= 0;
     f[4] = next == tier::evicted && rec.ledger_slot >= 0;
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       flags_of(r, f);
       tile_scan<7>(f, rank, total, warp_sums);
       if (r < n) {
-        const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
+        const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));  // the table entry
         window_record rec = table[w];
         const int rk[7] = {carry[0] + rank[0], carry[1] + rank[1], carry[2] + rank[2], carry[3] + rank[3],
                            carry[4] + rank[4], carry[5] + rank[5], carry[6] + rank[6]};
@@ -250,29 +253,31 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     }
   }
   __syncthreads();
-  // Window list (window order) and after_routing on every live window.
+  // Each unit's window list (window order), and after_routing on every live entry (each entry is
+  // visited once, by the pass over its unit).
   {
-    int carry = 0;
-    for (int base = 0; base < started; base += blockDim.x) {
-      const int w = base + threadIdx.x;
-      bool f[1] = {false};
-      window_record rec{};
-      if (w < started) {
-        rec = table[w];
-        const tier t = tier_of(rec, w < aged_after);
-        f[0] = t == tier::full || t == tier::quantized;
-        if (t != tier::evicted) table[w].score = Scorer::after_routing(rec.score);
+    for (int u = 0; u < U; ++u) {
+      const std::size_t list = static_cast<std::size_t>(l) * U + u;
+      int carry = 0;
+      for (int base = 0; base < started; base += blockDim.x) {
+        const int w = base + threadIdx.x;
+        bool f[1] = {false};
+        window_record rec{};
+        if (w < started) {
+          rec = table[w * U + u];
+          const tier t = tier_of(rec, w < aged_after);
+          f[0] = t == tier::full || t == tier::quantized;
+          if (t != tier::evicted) table[w * U + u].score = Scorer::after_routing(rec.score);
+        }
+        int rank[1], total[1];
+        tile_scan<1>(f, rank, total, warp_sums);
+        if (f[0]) S.entries[list * L.entries_per_lane + carry + rank[0]] = window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
+        carry += total[0];
       }
-      int rank[1], total[1];
-      tile_scan<1>(f, rank, total, warp_sums);
-      if (f[0])
-        S.entries[static_cast<std::size_t>(l) * L.entries_per_lane + carry + rank[0]] =
-            window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
-      carry += total[0];
+      if (threadIdx.x == 0) S.entry_counts[list] = carry;
     }
     if (threadIdx.x == 0) {
       lane.aged = aged_after;
-      lane.n_entries = carry;
       extra.steps = 0;
       extra.routed = 1;
       extra.free_full = full_top - T[2] - T[3];
@@ -283,7 +288,8 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   }
 }
 
-/// Loads post-RoPE key and value element (token j of window w, head h, channel c) from a source.
+/// Loads post-RoPE key and value element (token j of window w, KV head h, channel c) from a source.
+/// A Full slot holds the heads of one unit: KV head h is its head h % heads_per_unit.
 struct token_reader {
   const cache_params* P;
   const std::byte* region;
@@ -301,17 +307,18 @@ struct token_reader {
     if (kind == 0 || kind == 1) {
       const int capacity = kind == 0 ? L.recent_capacity : L.window;
       const int s = kind == 0 ? (w * L.window + j) % L.recent_capacity : j;
+      const int head = kind == 0 ? h : h % L.heads_per_unit;
       const std::byte* base = kind == 0 ? region + L.recent_offset
                                         : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
-      return numeric::load(P->element, base, value ? value_index(D, capacity, h, s, c) : key_index(D, capacity, h, s, c));
+      return numeric::load(P->element, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
     }
     const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
     return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
   }
 };
 
-/// Quantizes window tasks (windows of W tokens) into ledger records: one warp per (task, KV head,
-/// keys or values).
+/// Quantizes window tasks (windows of W tokens, the KV heads of one unit) into ledger records: one
+/// warp per (task, KV head, keys or values).
 /// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit
 /// codes) per token, so no two lanes share a byte.
 template <int D, int W, class Q, bool Rotates>
@@ -324,24 +331,25 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   const decode_layout& L = P.L;
   const int l = list.lane[blockIdx.x];
   const int n_tasks = S.task_counts[2 * blockIdx.x];
-  const std::byte* region_c = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
-  std::byte* region = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
+  const std::byte* region_c = S.arena + L.region_offset(l);
+  std::byte* region = S.arena + L.region_offset(l);
   const long long first = S.lanes[l].first_position;
   const int lane_id = threadIdx.x & 31;
   const int warps = blockDim.x / 32 * gridDim.y;
   const int worker = lane_id;
   const bool active = worker < D / 4;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  // Work items: (task, KV head, keys or values), so that a window's keys and values are quantized
-  // by two warps at once (each is a chain of dependent steps).
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads * 2; item += warps) {
+  // Work items: (task, KV head of its unit, keys or values), so that a window's keys and values
+  // are quantized by two warps at once (each is a chain of dependent steps).
+  const int hu = L.heads_per_unit;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * hu * 2; item += warps) {
     const bool keys = (item & 1) == 0;
     const int task_head = item >> 1;
-    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / L.kv_heads];
-    const int h = task_head % L.kv_heads, w = task.window;
+    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / hu];
+    const int in_unit = task_head % hu, h = task.entry % L.units * hu + in_unit, w = task.entry / L.units;
     const token_reader rd{&P, region_c, src, task.source, task.src_slot};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
-                                                        static_cast<std::size_t>(h) * L.record_head_bytes);
+                                                        static_cast<std::size_t>(in_unit) * L.record_head_bytes);
     if (keys && active) {
       // Keys in the record's key frame, one group per channel across the window's tokens.
       float kx[W][4];
@@ -435,8 +443,8 @@ __device__ __forceinline__ float record_value(const quantizers::record_layout& R
   return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
 }
 
-/// Fills Full slots (windows of W tokens): promotions (dequantize, RoPE at the stored positions)
-/// and newly aged windows. One warp per (task, KV head, keys or values).
+/// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions (dequantize, RoPE at
+/// the stored positions) and newly aged windows. One warp per (task, KV head, keys or values).
 template <int D, int W, class Q, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
@@ -444,21 +452,22 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
   const decode_layout& L = P.L;
   const int l = list.lane[blockIdx.x];
   const int n_tasks = S.task_counts[2 * blockIdx.x + 1];
-  std::byte* region = S.arena + static_cast<std::size_t>(l) * L.region_bytes;
+  std::byte* region = S.arena + L.region_offset(l);
   const long long first = S.lanes[l].first_position;
   const int lane_id = threadIdx.x & 31;
   const int warps = blockDim.x / 32 * gridDim.y;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.kv_heads * 2; item += warps) {
+  const int hu = L.heads_per_unit;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * hu * 2; item += warps) {
     const bool keys = (item & 1) == 0;
     const int task_head = item >> 1;
-    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / L.kv_heads];
-    const int h = task_head % L.kv_heads, w = task.window;
+    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / hu];
+    const int in_unit = task_head % hu, h = task.entry % L.units * hu + in_unit, w = task.entry / L.units;
     void* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     if (task.source == 3) {
       const std::uint8_t* rec = reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset +
                                                                       static_cast<std::size_t>(task.src_slot) * L.record_bytes +
-                                                                      static_cast<std::size_t>(h) * L.record_head_bytes);
+                                                                      static_cast<std::size_t>(in_unit) * L.record_head_bytes);
       for (int e = lane_id; keys && e < W * (D / 2); e += 32) {
         const int j = e / (D / 2), i = e % (D / 2);
         int a, b;
@@ -468,19 +477,19 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
           const long long t0 = first + L.sinks + static_cast<long long>(w) * W;
           rotate_pair(x0, x1, Q::key_frame::read_rotation(t0, t0 + j), S.inv_freq[i], +1);
         }
-        numeric::store(P.element, slot, key_index(D, W, h, j, a), x0);
-        numeric::store(P.element, slot, key_index(D, W, h, j, b), x1);
+        numeric::store(P.element, slot, key_index(D, W, in_unit, j, a), x0);
+        numeric::store(P.element, slot, key_index(D, W, in_unit, j, b), x1);
       }
       for (int e = lane_id; !keys && e < W * D; e += 32) {
         const int j = e / D, c = e % D;
-        numeric::store(P.element, slot, value_index(D, W, h, j, c), record_value<Q>(R, rec, j, c));
+        numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), record_value<Q>(R, rec, j, c));
       }
     } else {
       const token_reader rd{&P, region, src, task.source, 0};
       for (int e = lane_id; e < W * D; e += 32) {
         const int j = e / D, c = e % D;
-        if (keys) numeric::store(P.element, slot, key_index(D, W, h, j, c), rd.key(w, j, h, c));
-        else numeric::store(P.element, slot, value_index(D, W, h, j, c), rd.value(w, j, h, c));
+        if (keys) numeric::store(P.element, slot, key_index(D, W, in_unit, j, c), rd.key(w, j, h, c));
+        else numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
       }
     }
   }

@@ -13,12 +13,15 @@
 //
 // Supported policies (backend/cuda/supports.hpp): window<W, S <= 8, L> with W in {8, 16, 32}, or
 // W in {1, 2, 4} with a two-tier allocator; quantizers::asymmetric<2, meta::bf16, any key frame>
-// and asymmetric<4, meta::bf16, before_rope or after_rope>; every allocator
-// (three_tier, two_tier, quantize_all, mixed_precision: the kernels see only the plan's K_f and
-// K_q); routing::ranked and routing::frozen_after_prefill, selection::per_layer,
-// full_tier::full_precision, scorers whose token signal is the attention probability (or none),
-// with any prefill aggregation and pooling; bf16 or f16 elements, head_dim 64 or 128, GQA groups
-// up to 8. Anything else fails at compile time (policies) or at construction (geometry).
+// and asymmetric<4, meta::bf16, before_rope or after_rope>; every allocator (three_tier, two_tier,
+// quantize_all, mixed_precision: the kernels see only the plan's K_f and K_q); routing::ranked and
+// routing::frozen_after_prefill; selection::per_layer and selection::per_kv_head (each KV head's
+// windows are table entries, Full slots and records of their own, and each KV head's CTAs read
+// their own window list); full_tier::full_precision; every scorer (value-weighted ones with an
+// allocator that keeps no records), with any prefill aggregation and pooling; a budget per layer
+// (budget::with_layer_shares: each layer's region and caps its own); bf16 or f16 elements,
+// head_dim 64 or 128, GQA groups up to 8. Anything else fails at compile time (policies) or at
+// construction (geometry).
 //
 // CUDA graphs: the kernels read token counts, positions and window lists from the device, so a
 // captured decode step replays correctly on the device. The host mirrors advance with calls only,
@@ -87,11 +90,11 @@ class cuda_cache {
   static_assert(support::quantizer,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<Bits, meta::bf16, KeyFrame> with "
                 "Bits = 2 (any key frame) or Bits = 4 (key_frame::before_rope or after_rope)");
-  static_assert(support::selection,
-                "qevict::backend::cuda: unsupported selection policy: only selection::per_layer (per-KV-head selection is host-only)");
   static_assert(support::full_tier,
                 "qevict::backend::cuda: unsupported full-tier policy: only full_tier::full_precision (a quantized top tier is host-only)");
-  static_assert(support::scorer, "qevict::backend::cuda: unsupported scorer: value-weighted attention is host-only");
+  static_assert(support::scorer,
+                "qevict::backend::cuda: unsupported scorer for this allocator: value-weighted attention needs an allocator "
+                "without quantized records (e.g. allocators::two_tier) on the CUDA backend");
   static constexpr bool rotates = rope::rotates;
   /// Whether a record's keys are rotated by the key frame's read rotation (and back when quantized).
   static constexpr bool records_rotate = kernels::decode_layout::rotation_for<Config>() != kernels::record_rotation::none;
@@ -100,11 +103,7 @@ class cuda_cache {
   cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
              std::size_t external_bytes, const cuda_settings& set = {})
       : geo_(g), lim_(lim), opt_(opt), set_(set), plan_(make_region_plan<Config>(g, b, lim, 0)), sequences_(lim.max_batch) {
-    for (int l = 0; l < g.layers; ++l) {
-      plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
-      detail::require(plans_.back().region_bytes == plan_.region_bytes,
-                      "backend::cuda: every layer needs the same region size (budget::with_layer_shares is host-only)");
-    }
+    for (int l = 0; l < g.layers; ++l) plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
     detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
     detail::require(g.element == element_type::bf16 || g.element == element_type::f16,
                     "backend::cuda: the element type must be bf16 or f16");
@@ -117,23 +116,52 @@ class cuda_cache {
     detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
                     "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64]");
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
-    P_.L = kernels::decode_layout::for_config<Config>(plan_, g.rope.layout);
-    detail::require((P_.L.region_bytes | P_.L.sink_offset | P_.L.recent_offset | P_.L.full_offset | P_.L.ledger_offset) % 16 == 0,
-                    "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
-                    "(max_tokens - sinks + window - 1) / window is a multiple of 4");
-    P_.element = g.element;
-    P_.q_heads = g.q_heads;
-    P_.recent = plan_.recent;
-    P_.routing_interval = plan_.routing_interval;
-    P_.max_windows = plan_.max_windows;
-    P_.sort_capacity = 1;
-    while (P_.sort_capacity < std::max(1, plan_.max_windows)) P_.sort_capacity <<= 1;
-    P_.full_capacity = static_cast<int>(plan_.caps.full);
-    P_.ledger_capacity = static_cast<int>(plan_.caps.quantized);
-    P_.max_tasks = std::max(1, plan_.max_windows);
-    const std::size_t sort_smem = static_cast<std::size_t>(P_.sort_capacity) * 8;
+    // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
+    // (budget::with_layer_shares) each layer's region has its own size, and its own cache_params.
+    for (const region_plan& p : plans_) {
+      layer_offset_.push_back(sequence_stride_);
+      sequence_stride_ += p.region_bytes;
+    }
+    // Per-lane arrays (window lists, free-slot stacks) have one stride for all layers: the largest.
+    int list_capacity = 0, full_stride = 0, ledger_stride = 0;
+    for (const region_plan& p : plans_) {
+      list_capacity = std::max(list_capacity, static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows)));
+      full_stride = std::max(full_stride, static_cast<int>(p.caps.full));
+      ledger_stride = std::max(ledger_stride, static_cast<int>(p.caps.quantized));
+    }
+    // Routing ranks table entries: one per window, or one per window and KV head with per-KV-head
+    // selection.
+    const int entries = static_cast<int>(plan_.table_entries());
+    int sort_capacity = 1;
+    while (sort_capacity < std::max(1, entries)) sort_capacity <<= 1;
+    for (int l = 0; l < g.layers; ++l) {
+      const region_plan& p = plans_[static_cast<std::size_t>(l)];
+      kernels::cache_params P;
+      P.L = kernels::decode_layout::for_config<Config>(p, g.rope.layout);
+      P.L.layers = g.layers;
+      P.L.sequence_stride = sequence_stride_;
+      P.L.layer_offset = layer_offset_[static_cast<std::size_t>(l)];
+      P.L.entries_per_lane = list_capacity;
+      P.L.max_items = P.L.items_for(list_capacity, p.recent_capacity);
+      detail::require((P.L.region_bytes | P.L.sink_offset | P.L.recent_offset | P.L.full_offset | P.L.ledger_offset) % 16 == 0,
+                      "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
+                      "(max_tokens - sinks + window - 1) / window is a multiple of 4");
+      P.element = g.element;
+      P.q_heads = g.q_heads;
+      P.recent = p.recent;
+      P.routing_interval = p.routing_interval;
+      P.max_windows = p.max_windows;
+      P.sort_capacity = sort_capacity;
+      P.full_capacity = static_cast<int>(p.caps.full);
+      P.ledger_capacity = static_cast<int>(p.caps.quantized);
+      P.full_stride = full_stride;
+      P.ledger_stride = ledger_stride;
+      P.max_tasks = std::max(1, entries);
+      params_.push_back(P);
+    }
+    const std::size_t sort_smem = static_cast<std::size_t>(sort_capacity) * 8;
     detail::require(sort_smem <= 160 * 1024, "backend::cuda: limits::max_tokens is too large for routing's shared-memory sort "
-                                             "(at most 16384 windows)");
+                                             "(at most 16384 windows, or window-heads with per-KV-head selection)");
     if (sort_smem > 48 * 1024)
       QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
@@ -154,25 +182,30 @@ class cuda_cache {
     }
     S_.lanes = alloc<kernels::lane_state>(lanes_total_);
     S_.attend_lanes = alloc<kernels::lane_state>(lanes_total_);
-    S_.entries = alloc<kernels::window_entry>(lanes_total_ * std::max(1, P_.L.entries_per_lane));
+    const std::size_t lists = lanes_total_ * static_cast<std::size_t>(plan_.units);
+    S_.entries = alloc<kernels::window_entry>(lists * std::max(1, list_capacity));
+    S_.entry_counts = alloc<int>(lists);
+    S_.attend_counts = alloc<int>(lists);
     S_.extra = alloc<kernels::lane_extra>(lanes_total_);
-    S_.free_full = alloc<std::int32_t>(lanes_total_ * std::max(1, P_.full_capacity));
-    S_.free_ledger = alloc<std::int32_t>(lanes_total_ * std::max(1, P_.ledger_capacity));
+    S_.free_full = alloc<std::int32_t>(lanes_total_ * std::max(1, full_stride));
+    S_.free_ledger = alloc<std::int32_t>(lanes_total_ * std::max(1, ledger_stride));
     S_.batch_lanes = alloc<int>(static_cast<std::size_t>(lim.max_batch));
     S_.error = alloc<kernels::device_error>(1);
     const std::vector<double> inv = rope::inverse_frequencies(g.rope, g.head_dim);
     double* inv_d = alloc<double>(inv.size());
     QEVICT_CUDA_CHECK(cudaMemcpyAsync(inv_d, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice, set_.stream));
     S_.inv_freq = inv_d;
-    S_.quantize_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * P_.max_tasks);
-    S_.store_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * P_.max_tasks);
+    S_.quantize_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries));
+    S_.store_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries));
     S_.task_counts = alloc<int>(2 * static_cast<std::size_t>(lim.max_batch));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.error, 0, sizeof(kernels::device_error), set_.stream));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.attend_lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.extra, 0, lanes_total_ * sizeof(kernels::lane_extra), set_.stream));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.entry_counts, 0, lists * sizeof(int), set_.stream));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.attend_counts, 0, lists * sizeof(int), set_.stream));
     // Decode workspace for a whole batch.
-    const auto ws = kernels::decode_workspace::sizes(P_.L, lim.max_batch, set_.items_per_chunk);
+    const auto ws = kernels::decode_workspace::sizes(params_[0].L, lim.max_batch, set_.items_per_chunk);  // the same max_items for all layers
     part_o_ = alloc<float>(ws.o / sizeof(float));
     part_ml_ = alloc<float2>(ws.ml / sizeof(float2));
     part_mass_ = alloc<float>(ws.mass / sizeof(float));
@@ -196,21 +229,21 @@ class cuda_cache {
   const limits& lim() const { return lim_; }
   const options& opts() const { return opt_; }
   const cuda_settings& settings() const { return set_; }
-  std::size_t required_bytes() const { return plan_.region_bytes * lanes_total_; }
+  std::size_t required_bytes() const { return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch); }
   /// Device pointer of the arena (regions lane-major: lane = sequence * layers + layer).
   const std::byte* arena() const { return S_.arena; }
 
   // ---- sequences ---------------------------------------------------------------------------
   sequence_id add_sequence(long long first_position) {
     const sequence_id s = sequences_.take(first_position);
-    kernels::lane_list list;
-    list.n = geo_.layers;
     for (int l = 0; l < geo_.layers; ++l) {
-      list.lane[l] = lane_index(s, l);
-      mirrors_[static_cast<std::size_t>(list.lane[l])] = mirror{};
+      kernels::lane_list list;
+      list.n = 1;
+      list.lane[0] = lane_index(s, l);
+      mirrors_[static_cast<std::size_t>(list.lane[0])] = mirror{};
+      kernels::detail::reset_lanes_kernel<<<1, 256, 0, set_.stream>>>(params(l), S_, list, first_position);
+      QEVICT_CUDA_CHECK_LAUNCH("reset_lanes_kernel");
     }
-    kernels::detail::reset_lanes_kernel<<<static_cast<unsigned>(geo_.layers), 256, 0, set_.stream>>>(P_, S_, list, first_position);
-    QEVICT_CUDA_CHECK_LAUNCH("reset_lanes_kernel");
     return s;
   }
   void remove_sequence(sequence_id s) { sequences_.release(s); }
@@ -226,6 +259,7 @@ class cuda_cache {
     const std::size_t krow = static_cast<std::size_t>(hkv) * d, qrow = static_cast<std::size_t>(hq) * d;
     cudaStream_t st = set_.stream;
     const int lane = lane_index(s, layer);
+    const kernels::cache_params& P = params(layer);
     const long long p0 = first_position(s);
     const int q0 = n - q_rows;
     launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, 3, 0);
@@ -234,36 +268,38 @@ class cuda_cache {
     const int first_observer = std::max(q0, n - opt_.observation_window);
     const int observers = n - first_observer;
     const int started = windows_started(n);
+    const int entries = started * plan_.units;  // table entries the observation queries score
     float *kr = nullptr, *qr = nullptr;
     double* qmass = nullptr;
     QEVICT_CUDA_CHECK(cudaMallocAsync(&kr, static_cast<std::size_t>(n) * krow * sizeof(float), st));
     QEVICT_CUDA_CHECK(cudaMallocAsync(&qr, static_cast<std::size_t>(q_rows) * qrow * sizeof(float), st));
-    const std::size_t qmass_n = std::max<std::size_t>(1, static_cast<std::size_t>(observers) * std::max(started, 1));
+    const std::size_t qmass_n = std::max<std::size_t>(1, static_cast<std::size_t>(observers) * std::max(entries, 1));
     QEVICT_CUDA_CHECK(cudaMallocAsync(&qmass, qmass_n * sizeof(double), st));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(qmass, 0, qmass_n * sizeof(double), st));
-    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P_, S_, k, kr, n, hkv, p0);
+    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P, S_, k, kr, n, hkv, p0);
     QEVICT_CUDA_CHECK_LAUNCH("rotate_rows_kernel");
-    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P_, S_, q, qr, q_rows, hq, p0 + q0);
+    kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P, S_, q, qr, q_rows, hq, p0 + q0);
     QEVICT_CUDA_CHECK_LAUNCH("rotate_rows_kernel");
     const int first_row = out ? q0 : first_observer;
     const dim3 grid(static_cast<unsigned>(n - first_row), static_cast<unsigned>(hq));
+    constexpr bool value_weighted = scorer::token_signal == scorers::signal::value_weighted_attention;
     if (d == 128)
-      kernels::detail::prefill_attention_kernel<128><<<grid, 128, 0, st>>>(P_, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
+      kernels::detail::prefill_attention_kernel<128, value_weighted><<<grid, 128, 0, st>>>(P, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
     else
-      kernels::detail::prefill_attention_kernel<64><<<grid, 128, 0, st>>>(P_, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
+      kernels::detail::prefill_attention_kernel<64, value_weighted><<<grid, 128, 0, st>>>(P, S_, qr, kr, v, out, qmass, n, q0, first_row, first_observer, std::max(started, 1));
     QEVICT_CUDA_CHECK_LAUNCH("prefill_attention_kernel");
     const int aged_after = aged_windows_for(n);
-    kernels::detail::prefill_aggregate_kernel<scorer><<<static_cast<unsigned>(std::max(1, (started + 255) / 256)), 256, 0, st>>>(
-        S_, qmass, observers, started);
+    kernels::detail::prefill_aggregate_kernel<scorer><<<static_cast<unsigned>(std::max(1, (entries + 255) / 256)), 256, 0, st>>>(
+        S_, qmass, observers, entries);
     QEVICT_CUDA_CHECK_LAUNCH("prefill_aggregate_kernel");
-    kernels::detail::prefill_place_kernel<scorer><<<256, 256, 0, st>>>(P_, S_, lane, kr, v, qmass, n, started, aged_after);
+    kernels::detail::prefill_place_kernel<scorer><<<256, 256, 0, st>>>(P, S_, lane, kr, v, qmass, n, started, aged_after);
     QEVICT_CUDA_CHECK_LAUNCH("prefill_place_kernel");
     mirror& m = mirrors_[static_cast<std::size_t>(lane)];
     m.tokens = n;
     kernels::lane_list list;
     list.n = 1;
     list.lane[0] = lane;
-    launch_route(list, kernels::route_source{kr, v}, 2);
+    launch_route(layer, list, kernels::route_source{kr, v}, 2);
     QEVICT_CUDA_CHECK(cudaFreeAsync(kr, st));
     QEVICT_CUDA_CHECK(cudaFreeAsync(qr, st));
     QEVICT_CUDA_CHECK(cudaFreeAsync(qmass, st));
@@ -278,8 +314,9 @@ class cuda_cache {
       list.lane[b] = lane_index(seqs[b], layer);
       if (recent_full(mirror_of(seqs[b], layer))) due.lane[due.n++] = list.lane[b];
     }
-    if (due.n > 0) launch_route(due, kernels::route_source{}, 0);
-    kernels::detail::append_kernel<scorer, rotates><<<static_cast<unsigned>(list.n), 512, 0, set_.stream>>>(P_, S_, list, k, v);
+    const kernels::cache_params& P = params(layer);
+    if (due.n > 0) launch_route(layer, due, kernels::route_source{}, 0);
+    kernels::detail::append_kernel<scorer, rotates><<<static_cast<unsigned>(list.n), 512, 0, set_.stream>>>(P, S_, list, k, v);
     QEVICT_CUDA_CHECK_LAUNCH("append_kernel");
     for (std::size_t b = 0; b < seqs.size(); ++b) ++mirrors_[static_cast<std::size_t>(list.lane[b])].tokens;
   }
@@ -289,20 +326,22 @@ class cuda_cache {
   void attend_batch(int layer, std::span<const sequence_id> seqs, const float* q, float* out) {
     kernels::lane_list list, due;
     list.n = static_cast<int>(seqs.size());
+    const kernels::cache_params& P = params(layer);
     int max_items = 1;
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       const int l = lane_index(seqs[b], layer);
       list.lane[b] = l;
       const mirror& m = mirrors_[static_cast<std::size_t>(l)];
-      max_items = std::max(max_items, P_.L.items_for(std::min(P_.L.entries_per_lane, m.aged),
+      max_items = std::max(max_items, P.L.items_for(std::min(P.L.entries_per_lane, m.aged),
                                                      std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window)));
     }
-    kernels::detail::attend_prologue_kernel<<<1, 1024, 0, set_.stream>>>(P_, S_, list, q);
+    kernels::detail::attend_prologue_kernel<<<1, 1024, 0, set_.stream>>>(P, S_, list, q);
     QEVICT_CUDA_CHECK_LAUNCH("attend_prologue_kernel");
     kernels::decode_arguments a;
     a.arena = S_.arena;
     a.lanes = S_.attend_lanes;
     a.entries = S_.entries;
+    a.entry_counts = S_.attend_counts;
     a.batch_lanes = S_.batch_lanes;
     a.batch = list.n;
     a.q = q;
@@ -314,14 +353,14 @@ class cuda_cache {
     a.q_rotated = q_rotated_;
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
-    a.max_chunks = kernels::decode_workspace::chunks_for(P_.L, set_.items_per_chunk);
-    kernels::decode_attention<true, scorer, W::size, quantizer::bits>(geo_.element, P_.L, a, max_items, set_.stream);
+    a.max_chunks = kernels::decode_workspace::chunks_for(P.L, set_.items_per_chunk);
+    kernels::decode_attention<true, scorer, W::size, quantizer::bits>(geo_.element, P.L, a, max_items, set_.stream);
     for (int b = 0; b < list.n; ++b) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
       ++m.steps;
       if (opt_.routing == routing_mode::automatic && m.steps >= Config::routing_interval) due.lane[due.n++] = list.lane[b];
     }
-    if (due.n > 0) launch_route(due, kernels::route_source{}, 0);
+    if (due.n > 0) launch_route(layer, due, kernels::route_source{}, 0);
   }
 
   /// A routing event now for (seqs[i], layer), every listed sequence in one launch.
@@ -329,7 +368,7 @@ class cuda_cache {
     kernels::lane_list list;
     list.n = static_cast<int>(seqs.size());
     for (std::size_t b = 0; b < seqs.size(); ++b) list.lane[b] = lane_index(seqs[b], layer);
-    launch_route(list, kernels::route_source{}, 0);
+    launch_route(layer, list, kernels::route_source{}, 0);
   }
 
   /// A routing event now for (s, layer).
@@ -337,7 +376,7 @@ class cuda_cache {
     kernels::lane_list list;
     list.n = 1;
     list.lane[0] = lane_index(s, layer);
-    launch_route(list, kernels::route_source{}, 0);
+    launch_route(layer, list, kernels::route_source{}, 0);
   }
 
   /// Waits for the stream and throws qevict::error if the device found a bad input.
@@ -366,10 +405,11 @@ class cuda_cache {
     const std::vector<window_record> table = download_table(s, layer);
     const mirror& m = mirror_of(s, layer);
     std::vector<window_info> out;
-    for (int w = 0; w < windows_started(m.tokens); ++w) {
-      const window_record& rec = table[static_cast<std::size_t>(w)];
-      out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < m.aged), rec.score, rec.ledger_slot >= 0, 0});
-    }
+    for (int w = 0; w < windows_started(m.tokens); ++w)
+      for (int u = 0; u < plan_.units; ++u) {
+        const window_record& rec = table[static_cast<std::size_t>(w) * plan_.units + u];
+        out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < m.aged), rec.score, rec.ledger_slot >= 0, u});
+      }
     return out;
   }
 
@@ -382,7 +422,7 @@ class cuda_cache {
     check();
     budget_report r;
     r.caps = plan_.caps;
-    r.units = 1;
+    r.units = static_cast<std::size_t>(plan_.units);
     r.budget_per_sequence_layer = plan_.budget_bytes;
     r.full_window_bytes = plan_.full_window_bytes;
     r.quantized_window_bytes = plan_.quantized_window_bytes();
@@ -399,75 +439,88 @@ class cuda_cache {
   }
 
   /// Keys (after RoPE) and values of window w as attention sees them, [window][kv_heads][head_dim].
+  /// Throws if any unit of the window is evicted.
   void read_window(sequence_id s, int layer, int w, float* k_post, float* v) const {
     check();
     const mirror& m = mirror_of(s, layer);
     const std::vector<window_record> table = download_table(s, layer);
-    const window_record& rec = table[static_cast<std::size_t>(w)];
-    const tier t = tier_of(rec, w < m.aged);
-    detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
-    const int d = geo_.head_dim, hkv = geo_.kv_heads, Wn = plan_.window;
+    const region_plan& p = plan(layer);
+    const int d = geo_.head_dim, hkv = geo_.kv_heads, Wn = p.window, U = p.units, hu = p.heads_per_unit;
     const std::size_t eb = element_bytes(geo_.element);
-    const std::byte* region = S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes;
+    const std::byte* region = region_of(s, layer);
     auto put = [&](int j, int h, int c, float key, float value) {
       k_post[(static_cast<std::size_t>(j) * hkv + h) * d + c] = key;
       v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = value;
     };
-    if (t == tier::quantized) {
-      std::vector<std::uint8_t> bytes(plan_.quantized_window_bytes());
-      QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + plan_.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * bytes.size(),
-                                   bytes.size(), cudaMemcpyDeviceToHost));
-      const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
-      std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
-      for (int j = 0; j < Wn; ++j)
-        for (int h = 0; h < hkv; ++h) {
-          quantizer::dequantize_key(plan_.record, bytes.data(), h, j, kd.data());
-          quantizer::dequantize_value(plan_.record, bytes.data(), h, j, vd.data());
-          rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), window_first_position(s, w) + j);
-          for (int c = 0; c < d; ++c) put(j, h, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
+    for (int u = 0; u < U; ++u) {
+      const window_record& rec = table[static_cast<std::size_t>(w) * U + u];
+      const tier t = tier_of(rec, w < m.aged);
+      detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
+      if (t == tier::quantized) {
+        std::vector<std::uint8_t> bytes(p.quantized_window_bytes());
+        QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + p.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * bytes.size(),
+                                     bytes.size(), cudaMemcpyDeviceToHost));
+        const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
+        std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
+        for (int j = 0; j < Wn; ++j)
+          for (int hl = 0; hl < hu; ++hl) {
+            quantizer::dequantize_key(p.record, bytes.data(), hl, j, kd.data());
+            quantizer::dequantize_value(p.record, bytes.data(), hl, j, vd.data());
+            rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), window_first_position(s, w) + j);
+            for (int c = 0; c < d; ++c) put(j, u * hu + hl, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
+          }
+        continue;
+      }
+      // Token rows: a Full slot holds the unit's heads, the recent ring all heads.
+      int capacity = Wn, first_slot = 0, heads = hu, head0 = 0;
+      std::size_t offset = 0;
+      if (t == tier::full) {
+        offset = p.full_offset + static_cast<std::size_t>(rec.full_slot) * p.full_window_bytes;
+      } else {
+        detail::require(p.sinks + (w + 1) * Wn <= m.tokens, "read_window: window " + std::to_string(w) + " is not complete yet");
+        offset = p.recent_offset;
+        capacity = p.recent_capacity;
+        first_slot = w * Wn;
+        heads = hkv;
+        head0 = u * hu;
+      }
+      std::vector<std::byte> block(static_cast<std::size_t>(heads) * 2 * capacity * d * eb);
+      QEVICT_CUDA_CHECK(cudaMemcpy(block.data(), region + offset, block.size(), cudaMemcpyDeviceToHost));
+      for (int j = 0; j < Wn; ++j) {
+        const int slot = (first_slot + j) % capacity;
+        for (int hl = 0; hl < hu; ++hl) {
+          const int hb = head0 + hl;  // the head's place in the block
+          for (int c = 0; c < d; ++c)
+            put(j, u * hu + hl, c, numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * hb) * capacity + slot) * d + c),
+                numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * hb + 1) * capacity + slot) * d + c));
         }
-      return;
-    }
-    int capacity = Wn, first_slot = 0;
-    std::size_t offset = 0;
-    if (t == tier::full) {
-      offset = plan_.full_offset + static_cast<std::size_t>(rec.full_slot) * plan_.full_window_bytes;
-    } else {
-      detail::require(plan_.sinks + (w + 1) * Wn <= m.tokens, "read_window: window " + std::to_string(w) + " is not complete yet");
-      offset = plan_.recent_offset;
-      capacity = plan_.recent_capacity;
-      first_slot = w * Wn;
-    }
-    std::vector<std::byte> block(static_cast<std::size_t>(hkv) * 2 * capacity * d * eb);
-    QEVICT_CUDA_CHECK(cudaMemcpy(block.data(), region + offset, block.size(), cudaMemcpyDeviceToHost));
-    for (int j = 0; j < Wn; ++j) {
-      const int slot = (first_slot + j) % capacity;
-      for (int h = 0; h < hkv; ++h)
-        for (int c = 0; c < d; ++c)
-          put(j, h, c, numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * h) * capacity + slot) * d + c),
-              numeric::load(geo_.element, block.data(), (static_cast<std::size_t>(2 * h + 1) * capacity + slot) * d + c));
+      }
     }
   }
 
-  /// The bytes of window w's ledger record (a host copy, valid until the next call; empty if none).
-  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w) const {
+  /// The bytes of the ledger record of window w, unit `unit` (a host copy, valid until the next
+  /// call; empty if none).
+  std::span<const std::uint8_t> ledger_record(sequence_id s, int layer, int w, int unit = 0) const {
     check();
     const std::vector<window_record> table = download_table(s, layer);
-    const window_record& rec = table[static_cast<std::size_t>(w)];
+    const window_record& rec = table[static_cast<std::size_t>(w) * plan_.units + unit];
     if (rec.ledger_slot < 0) return {};
-    record_copy_.resize(plan_.quantized_window_bytes());
-    const std::byte* region = S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes;
+    record_copy_.resize(plan(layer).quantized_window_bytes());
     QEVICT_CUDA_CHECK(cudaMemcpy(record_copy_.data(),
-                                 region + plan_.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * record_copy_.size(),
+                                 region_of(s, layer) + plan(layer).ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * record_copy_.size(),
                                  record_copy_.size(), cudaMemcpyDeviceToHost));
     return {record_copy_.data(), record_copy_.size()};
   }
 
-  /// Overrides window w's cumulative score (stream-ordered).
-  void set_score(sequence_id s, int layer, int w, float score) {
-    window_record* table = reinterpret_cast<window_record*>(S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes);
+  /// Overrides window w's cumulative score, of one unit or (unit < 0) of all its units
+  /// (stream-ordered).
+  void set_score(sequence_id s, int layer, int w, float score, int unit = -1) {
+    window_record* table = reinterpret_cast<window_record*>(region_of(s, layer));
     score_staging_ = score;
-    QEVICT_CUDA_CHECK(cudaMemcpyAsync(&table[w].score, &score_staging_, sizeof(float), cudaMemcpyHostToDevice, set_.stream));
+    for (int u = 0; u < plan_.units; ++u)
+      if (unit < 0 || unit == u)
+        QEVICT_CUDA_CHECK(cudaMemcpyAsync(&table[static_cast<std::size_t>(w) * plan_.units + u].score, &score_staging_, sizeof(float),
+                                          cudaMemcpyHostToDevice, set_.stream));
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
   }
 
@@ -491,6 +544,11 @@ class cuda_cache {
   }
 
   int lane_index(sequence_id s, int layer) const { return static_cast<int>(s) * geo_.layers + layer; }
+  const kernels::cache_params& params(int layer) const { return params_[static_cast<std::size_t>(layer)]; }
+  /// The region of (s, layer) in the arena (the host backend's layout).
+  std::byte* region_of(sequence_id s, int layer) const {
+    return S_.arena + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
+  }
   mirror& mirror_of(sequence_id s, int layer) { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
   const mirror& mirror_of(sequence_id s, int layer) const { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
   int aged_windows_for(int tokens) const {
@@ -512,12 +570,13 @@ class cuda_cache {
   }
 
   /// One routing event for every listed lane: decide, quantize, store.
-  void launch_route(const kernels::lane_list& list, const kernels::route_source& src, int source_kind) {
+  void launch_route(int layer, const kernels::lane_list& list, const kernels::route_source& src, int source_kind) {
     cudaStream_t st = set_.stream;
-    const std::size_t smem = static_cast<std::size_t>(P_.sort_capacity) * 8;
+    const kernels::cache_params& P = params(layer);
+    const std::size_t smem = static_cast<std::size_t>(P.sort_capacity) * 8;
     const unsigned lanes = static_cast<unsigned>(list.n);
     kernels::detail::route_decide_kernel<scorer, routing_policy><<<lanes, kernels::detail::route_threads, smem, st>>>(
-        P_, S_, list, source_kind);
+        P, S_, list, source_kind);
     QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
     // Warps per lane for the data movements, one (window, KV head) each at a time. A decode event
     // moves from a few windows per lane (a settled ranking) to dozens (the events after a prefill,
@@ -525,13 +584,13 @@ class cuda_cache {
     // warps per lane keep those from serializing, and CTAs without work return at once.
     const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : QEVICT_ROUTE_CTAS_PER_LANE);
     if (geo_.head_dim == 128) {
-      kernels::detail::quantize_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
     } else {
-      kernels::detail::quantize_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::quantize_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P_, S_, list, src);
+      kernels::detail::store_full_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
     }
     QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
     for (int i = 0; i < list.n; ++i) {
@@ -542,9 +601,9 @@ class cuda_cache {
   }
 
   std::vector<window_record> download_table(sequence_id s, int layer) const {
-    std::vector<window_record> t(static_cast<std::size_t>(std::max(1, plan_.max_windows)));
-    QEVICT_CUDA_CHECK(cudaMemcpy(t.data(), S_.arena + static_cast<std::size_t>(lane_index(s, layer)) * plan_.region_bytes,
-                                 static_cast<std::size_t>(plan_.max_windows) * sizeof(window_record), cudaMemcpyDeviceToHost));
+    std::vector<window_record> t(std::max<std::size_t>(1, plan_.table_entries()));
+    QEVICT_CUDA_CHECK(cudaMemcpy(t.data(), region_of(s, layer),
+                                 plan_.table_entries() * sizeof(window_record), cudaMemcpyDeviceToHost));
     return t;
   }
 
@@ -552,7 +611,7 @@ class cuda_cache {
     tier_counts c;
     c.sink_tokens = static_cast<std::size_t>(std::min(m.tokens, plan_.sinks));
     c.recent_tokens = static_cast<std::size_t>(std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window));
-    for (int e = 0; e < m.aged; ++e) {
+    for (int e = 0; e < m.aged * plan_.units; ++e) {  // in routing units
       switch (tier_of(table[static_cast<std::size_t>(e)], true)) {
         case tier::full: ++c.full; c.ledger_copies += table[static_cast<std::size_t>(e)].ledger_slot >= 0 ? 1u : 0u; break;
         case tier::quantized: ++c.quantized; break;
@@ -569,7 +628,9 @@ class cuda_cache {
   region_plan plan_;
   std::vector<region_plan> plans_;
   std::size_t lanes_total_ = 0;
-  kernels::cache_params P_{};
+  std::vector<kernels::cache_params> params_;  ///< one per layer
+  std::vector<std::size_t> layer_offset_;      ///< of each layer's region in a sequence's bytes
+  std::size_t sequence_stride_ = 0;
   kernels::cache_pointers S_{};
   bool owned_arena_ = false;
   std::vector<void*> allocations_;

@@ -35,11 +35,12 @@ struct cuda_support {
   static constexpr bool short_windows = Config::window_policy::size >= 8 || Config::allocator::quantized_percent == 0;
   /// INT2 or INT4 codes with bf16 scale and zero (INT4 not in the window-relative frame).
   static constexpr bool quantizer = cuda_detail::kernel_quantizer<typename Config::quantizer>::value;
-  static constexpr bool selection = !Config::selection_policy::splits_heads;
   static constexpr bool full_tier = !Config::full_tier_policy::quantized;
-  /// The decode kernel's window mass is the attention probability; a value-weighted signal is not.
-  static constexpr bool scorer = Config::scorer::token_signal != scorers::signal::value_weighted_attention;
-  static constexpr bool all = sinks && short_windows && quantizer && selection && full_tier && scorer;
+  /// The decode kernel weighs a token's probability by ‖v‖ for a value-weighted scorer from the
+  /// token's row in shared memory: such a cache must keep no quantized records.
+  static constexpr bool scorer =
+      Config::scorer::token_signal != scorers::signal::value_weighted_attention || Config::allocator::quantized_percent == 0;
+  static constexpr bool all = sinks && short_windows && quantizer && full_tier && scorer;
 };
 
 /// Whether cache<Config, backend::cuda> compiles.
