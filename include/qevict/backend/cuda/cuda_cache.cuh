@@ -230,7 +230,8 @@ class cuda_cache {
   const options& opts() const { return opt_; }
   const cuda_settings& settings() const { return set_; }
   std::size_t required_bytes() const { return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch); }
-  /// Device pointer of the arena (regions lane-major: lane = sequence * layers + layer).
+  /// Device pointer of the arena: the region of (sequence s, layer l) at s * (the sum of the layers'
+  /// region bytes) + (the region bytes of the layers before l), as on the host backend.
   const std::byte* arena() const { return S_.arena; }
 
   // ---- sequences ---------------------------------------------------------------------------
