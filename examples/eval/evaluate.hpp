@@ -312,6 +312,10 @@ method_result run_method(const llama::model& m, const prompt_case& c, const refe
     r.fits = true;
     auto& cache = kv->cache();
     const qevict::sequence_id seq = kv->sequence();
+    // A value-weighted scorer (CriticalKV) weighs attention by ‖W_o^(h) v‖: give it the model's W_o.
+    if constexpr (Config::scorer::token_signal == qevict::scorers::signal::value_weighted_attention)
+        for (std::size_t l = 0; l < L; ++l)
+            cache.set_output_projection(static_cast<int>(l), m.output_projection(l), static_cast<int>(p.dim));
     for (std::size_t l = 0; l < L; ++l) cache.prefill(static_cast<int>(l), seq, ref.q_last[l], ref.k[l], ref.v[l]);
 
     // Score agreement: per layer and window, the mass the compressed run gave a window while it

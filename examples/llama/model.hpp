@@ -76,6 +76,10 @@ public:
         matmul(w.wv, h, n, p_.dim, p_.kv_heads * p_.head_dim, v);
     }
 
+    // The attention output projection of one layer, [dim][q_heads * head_dim] row-major: what
+    // value-weighted scorers (qevict::presets::criticalkv) take as W_o.
+    [[nodiscard]] std::span<const float> output_projection(std::size_t layer) const { return layers_[layer].wo; }
+
 private:
     struct layer_weights {
         std::span<const float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down;

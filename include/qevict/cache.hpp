@@ -115,6 +115,29 @@ class cache {
     return engine_.plan(layer);
   }
 
+  /// The layer's attention output projection W_o, for value-weighted scorers (CriticalKV): a
+  /// token then weighs its attention probability from query head h by ‖W_o^(h) v‖, where W_o^(h)
+  /// is the slice of W_o that head h's output passes through, instead of by ‖v‖. `w_o` is
+  /// row-major [hidden][q_heads * head_dim], as models store o_proj; it is copied (as one
+  /// head_dim × head_dim Gram matrix per query head). Applies to the masses of later prefills and
+  /// attends; a layer without it keeps ‖v‖. Host backend only.
+  void set_output_projection(int layer, std::span<const float> w_o, int hidden) {
+    check_layer("set_output_projection", layer);
+    detail::require(Config::scorer::token_signal == scorers::signal::value_weighted_attention, [&] {
+      return std::string("set_output_projection: the scorer ") + Config::scorer::name +
+             " does not weigh values (only value-weighted scorers, e.g. presets::criticalkv, use W_o)";
+    });
+    const std::size_t columns = static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim;
+    detail::require(hidden > 0, [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
+    check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
+    check_finite("set_output_projection", "w_o", w_o);
+    if constexpr (requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
+      engine_.set_output_projection(layer, w_o.data(), hidden);
+    } else {
+      detail::require(false, [&] { return std::string("set_output_projection: not supported by backend::") + Backend::name; });
+    }
+  }
+
   // ---- sequences ---------------------------------------------------------------------------
   /// Starts a sequence whose first token sits at `first_position`.
   sequence_id add_sequence(long long first_position = 0) {

@@ -143,7 +143,8 @@ struct criticalkv : detail::preset<config<critical_mass, quantizers::asymmetric<
                                           rope::rotary, 8, routing::frozen_after_prefill, selection::per_kv_head>> {
   static constexpr const char* name = "criticalkv";
   static constexpr const char* source = "Feng et al., Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective, 2025";
-  static constexpr const char* simplified = "‖v‖ stands in for ‖W_o v‖ (the output projection is not an input)";
+  static constexpr const char* simplified =
+      "‖W_o^(h) v‖ when the layer's output projection is given (cache::set_output_projection, host backend), else ‖v‖";
 };
 
 /// DefensiveKV: AdaKV whose prefill scores take each token's worst case over the observation

@@ -648,6 +648,75 @@ TEST_CASE("criticalkv ranks by attention × ‖v‖: at equal attention the larg
   }
 }
 
+TEST_CASE("criticalkv with the output projection W_o: each query head weighs attention by ‖W_o^(h) v‖") {
+  // Zero keys, so every observation query attends uniformly (p = 1 / (i + 1) over tokens 0..i);
+  // random values and a random W_o [hidden][q_heads * d]. Two query heads per KV head.
+  const qevict::geometry g = small_geometry(1, 4, 2, 8);
+  const qevict::limits lim{.max_batch = 1, .max_tokens = 256};
+  const int n = 120, d = 8, hkv = 2, hq = 4, hidden = 12, obs = 32;
+  rng r(73);
+  prompt p{r.normals(n * hq * d), std::vector<float>(static_cast<std::size_t>(n) * hkv * d, 0.0f), r.normals(n * hkv * d)};
+  const std::vector<float> w_o = r.normals(static_cast<std::size_t>(hidden) * hq * d, 0.5f);
+  const plan_terms t = terms_of<presets::criticalkv>(g, lim);
+  const qevict::budget b = qevict::budget::bytes_per_sequence_layer(t.fixed() + 20 * (t.token / 2));
+  qevict::cache<presets::criticalkv> projected(g, b, lim), fallback(g, b, lim);
+  projected.set_output_projection(0, w_o, hidden);
+  const qevict::sequence_id sp = prefill_prompt(projected, p), sf = prefill_prompt(fallback, p);
+
+  // Expected, computed directly: ‖W_o^(h) v‖ = the norm of the hidden-size vector sum_c W[r][h d + c] v[c].
+  auto projected_norm = [&](int h, const float* v) {
+    double sq = 0.0;
+    for (int row = 0; row < hidden; ++row) {
+      double x = 0.0;
+      for (int c = 0; c < d; ++c) x += static_cast<double>(w_o[static_cast<std::size_t>(row) * hq * d + h * d + c]) * v[c];
+      sq += x * x;
+    }
+    return std::sqrt(sq);
+  };
+  for (int u = 0; u < hkv; ++u) {
+    std::vector<double> mass(n, 0.0);
+    for (int i = n - obs; i < n; ++i)
+      for (int j = 0; j <= i; ++j) {
+        const float* v = &p.v[(static_cast<std::size_t>(j) * hkv + u) * d];
+        // The unit's two query heads, each with probability 1 / (i + 1), divided by the unit's query heads.
+        mass[j] += (projected_norm(2 * u, v) + projected_norm(2 * u + 1, v)) / (i + 1) / 2.0;
+      }
+    const std::vector<double> expected = max_pool(mass, 7);
+    for (const qevict::window_info& w : projected.windows(sp, 0))
+      if (w.unit == u) CHECK(w.score == doctest::Approx(expected[static_cast<std::size_t>(w.index)]).epsilon(1e-5));
+  }
+  // The projection changes the scores (it is not the value norm in disguise).
+  int differ = 0;
+  const auto wp = projected.windows(sp, 0), wf = fallback.windows(sf, 0);
+  for (std::size_t i = 0; i < wp.size(); ++i) differ += std::abs(wp[i].score - wf[i].score) > 1e-3f * std::abs(wf[i].score);
+  CHECK(differ > static_cast<int>(wp.size()) / 2);
+
+  // W_o = c_h · I per head (hidden = q_heads * d, block diagonal): ‖W_o^(h) v‖ = c_h ‖v‖, so with
+  // c = 2, 2, 4, 4 unit 0's scores are exactly twice the ‖v‖ scores and unit 1's four times.
+  std::vector<float> diag(static_cast<std::size_t>(hq) * d * hq * d, 0.0f);
+  const float c_of[] = {2.0f, 2.0f, 4.0f, 4.0f};
+  for (int h = 0; h < hq; ++h)
+    for (int c = 0; c < d; ++c) diag[(static_cast<std::size_t>(h) * d + c) * hq * d + h * d + c] = c_of[h];
+  qevict::cache<presets::criticalkv> scaled(g, b, lim);
+  scaled.set_output_projection(0, diag, hq * d);
+  const qevict::sequence_id ss = prefill_prompt(scaled, p);
+  const auto wsc = scaled.windows(ss, 0);
+  for (std::size_t i = 0; i < wsc.size(); ++i) CHECK(wsc[i].score == (wsc[i].unit == 0 ? 2.0f : 4.0f) * wf[i].score);
+
+  // Bad input.
+  std::vector<float> nan_w = w_o;
+  nan_w[5] = std::nanf("");
+  CHECK_THROWS_WITH_AS(projected.set_output_projection(0, std::span(w_o).first(10), hidden),
+                       doctest::Contains("set_output_projection: w_o has 10 floats"), qevict::error);
+  CHECK_THROWS_WITH_AS(projected.set_output_projection(0, nan_w, hidden), doctest::Contains("set_output_projection: w_o[5] is NaN"),
+                       qevict::error);
+  CHECK_THROWS_WITH_AS(projected.set_output_projection(1, w_o, hidden), doctest::Contains("set_output_projection: layer 1 is out of range"),
+                       qevict::error);
+  CHECK_THROWS_WITH_AS(projected.set_output_projection(0, w_o, 0), doctest::Contains("hidden must be positive"), qevict::error);
+  qevict::cache<presets::adakv> plain(g, b, lim);
+  CHECK_THROWS_WITH_AS(plain.set_output_projection(0, w_o, hidden), doctest::Contains("does not weigh values"), qevict::error);
+}
+
 TEST_CASE("defensivekv takes the maximum over observation queries: one spike beats a steady larger sum") {
   // Token 30 is found by one observation query only (channel 2), with almost all of its
   // attention; token 60 takes about a tenth of every other observation query's attention (channel 3).

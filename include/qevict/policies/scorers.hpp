@@ -62,7 +62,8 @@ struct pooled_observation : scorer_defaults {
 };
 
 /// Attention weighted by the norm of the attended value vector (CriticalKV's value-aware score,
-/// with ‖v‖ standing in for ‖W_o v‖).
+/// ‖W_o^(h) v‖ per query head h when the cache was given the layer's output projection W_o —
+/// cache::set_output_projection — and ‖v‖ otherwise).
 struct value_weighted_mass : scorer_defaults {
   static constexpr const char* name = "value_weighted_mass";
   static constexpr signal token_signal = signal::value_weighted_attention;

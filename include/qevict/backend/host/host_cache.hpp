@@ -156,6 +156,7 @@ class host_cache {
     window_keys_.resize(window_floats);
     window_values_.resize(window_floats);
     candidates_.resize(plan_.table_entries());
+    gram_.resize(static_cast<std::size_t>(g.layers));
   }
 
  public:
@@ -234,7 +235,7 @@ class host_cache {
           const float* vj = &v[j * krow + kvh * d];
           for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vj[c];
           if (observer && j >= plan_.sinks)
-            query_mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window * U + u)] += token_weight(vj) * p / unit_queries;
+            query_mass[static_cast<std::size_t>((j - plan_.sinks) / plan_.window * U + u)] += token_weight(vj, layer, h) * p / unit_queries;
         }
         if (out)
           for (int c = 0; c < d; ++c) out[i * qrow + h * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
@@ -330,7 +331,7 @@ class host_cache {
             const double p = logits_[static_cast<std::size_t>(t)] / sum;
             const double* vt = &values_[static_cast<std::size_t>(t) * d];
             token_mass_[static_cast<std::size_t>(t)] += p / hq;
-            token_score_[static_cast<std::size_t>(t)] += token_weight(vt) * p / unit_queries;
+            token_score_[static_cast<std::size_t>(t)] += token_weight(vt, layer, qh) * p / unit_queries;
             for (int c = 0; c < d; ++c) head_out_[static_cast<std::size_t>(c)] += p * vt[c];
           }
           for (int c = 0; c < d; ++c) out[qh * d + c] = static_cast<float>(head_out_[static_cast<std::size_t>(c)]);
@@ -457,6 +458,24 @@ class host_cache {
   int windows_started(int tokens) const { return plan_.windows_started(tokens); }
   int aged(sequence_id s, int layer) const { return lane_of(s, layer).aged; }
 
+  /// Keeps, for each query head h, the Gram matrix G_h = W_o^(h)ᵀ W_o^(h) of the layer's output
+  /// projection (w_o: [hidden][q_heads * head_dim], validated by cache<>), so that
+  /// ‖W_o^(h) v‖ = sqrt(vᵀ G_h v) costs head_dim² per token rather than hidden · head_dim.
+  void set_output_projection(int layer, const float* w_o, int hidden) {
+    const int d = geo_.head_dim, hq = geo_.q_heads;
+    const std::size_t columns = static_cast<std::size_t>(hq) * d;
+    std::vector<double> gram(static_cast<std::size_t>(hq) * d * d, 0.0);
+    for (int h = 0; h < hq; ++h) {
+      double* g = gram.data() + static_cast<std::size_t>(h) * d * d;
+      for (int r = 0; r < hidden; ++r) {
+        const float* row = w_o + static_cast<std::size_t>(r) * columns + static_cast<std::size_t>(h) * d;
+        for (int a = 0; a < d; ++a)
+          for (int b = 0; b < d; ++b) g[static_cast<std::size_t>(a) * d + b] += static_cast<double>(row[a]) * row[b];
+      }
+    }
+    gram_[static_cast<std::size_t>(layer)] = std::move(gram);
+  }
+
  private:
   struct lane_state {
     int tokens = 0;             ///< tokens appended to this (sequence, layer)
@@ -538,13 +557,26 @@ class host_cache {
     const int w = (i - plan_.sinks) / plan_.window;
     return tier_of(table[w * plan_.units + unit], w < lane.aged);
   }
-  /// What one attended token contributes to its window's score, per unit of probability: 1 for
-  /// attention mass, ‖v‖ for value-weighted attention, 0 for position-only scorers.
+  /// What one attended token contributes to its window's score, per unit of probability from query
+  /// head qh: 1 for attention mass; for value-weighted attention ‖W_o^(qh) v‖ = sqrt(vᵀ G_qh v)
+  /// when the layer's output projection was given, else ‖v‖; 0 for position-only scorers.
   template <class T>
-  double token_weight(const T* value) const {
+  double token_weight(const T* value, int layer, int qh) const {
     if constexpr (scorer::token_signal == scorers::signal::value_weighted_attention) {
+      const int d = geo_.head_dim;
       double sq = 0.0;
-      for (int c = 0; c < geo_.head_dim; ++c) sq += static_cast<double>(value[c]) * value[c];
+      const std::vector<double>& gram = gram_[static_cast<std::size_t>(layer)];
+      if (gram.empty()) {
+        for (int c = 0; c < d; ++c) sq += static_cast<double>(value[c]) * value[c];
+      } else {
+        const double* g = gram.data() + static_cast<std::size_t>(qh) * d * d;
+        for (int a = 0; a < d; ++a) {
+          double row = 0.0;
+          for (int b = 0; b < d; ++b) row += g[static_cast<std::size_t>(a) * d + b] * static_cast<double>(value[b]);
+          sq += static_cast<double>(value[a]) * row;
+        }
+        sq = std::max(sq, 0.0);  // a Gram form is >= 0; rounding may dip below
+      }
       return std::sqrt(sq);
     } else if constexpr (scorer::token_signal == scorers::signal::none) {
       (void)value;
@@ -823,6 +855,7 @@ class host_cache {
   std::vector<int> token_index_;
   std::vector<float> window_keys_, window_values_;
   std::vector<routing_candidate> candidates_;
+  std::vector<std::vector<double>> gram_;  ///< per layer: G_h per query head, or empty (‖v‖)
   std::vector<float> prefill_keys_, prefill_queries_;
 };
 
