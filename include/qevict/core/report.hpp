@@ -2,6 +2,7 @@
 // The budget report: every byte term per layer and in total, what is reserved and what is held,
 // and the tier counts. Its to_string() is what examples print.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <string>
@@ -109,5 +110,36 @@ struct window_info {
   bool has_ledger = false;
   int unit = 0;  ///< routing unit: 0, or the KV head with selection::per_kv_head
 };
+
+/// Tier counts of one (sequence, layer) from its window table: sink and recent tokens, and the
+/// routing units (windows, or window-heads with per-KV-head selection) of its `aged` windows. Both
+/// backends report through this.
+inline tier_counts count_tiers(const region_plan& p, const window_record* table, int tokens, int aged) {
+  tier_counts c;
+  c.sink_tokens = static_cast<std::size_t>(std::min(tokens, p.sinks));
+  c.recent_tokens = static_cast<std::size_t>(std::max(0, tokens - p.sinks - aged * p.window));
+  for (int e = 0; e < aged * p.units; ++e) {
+    switch (tier_of(table[e], true)) {
+      case tier::full: ++c.full; c.ledger_copies += table[e].ledger_slot >= 0 ? 1u : 0u; break;
+      case tier::quantized: ++c.quantized; break;
+      default: ++c.evicted; break;
+    }
+  }
+  return c;
+}
+
+/// One window_info per started window and routing unit, oldest window first. `first_position`
+/// is the position of the sequence's first token.
+inline std::vector<window_info> describe_windows(const region_plan& p, const window_record* table, int tokens, int aged,
+                                                 long long first_position) {
+  std::vector<window_info> out;
+  for (int w = 0; w < p.windows_started(tokens); ++w)
+    for (int u = 0; u < p.units; ++u) {
+      const window_record& rec = table[w * p.units + u];
+      out.push_back(window_info{w, first_position + p.sinks + static_cast<long long>(w) * p.window, tier_of(rec, w < aged),
+                                rec.score, rec.ledger_slot >= 0, u});
+    }
+  return out;
+}
 
 }  // namespace qevict

@@ -148,6 +148,12 @@ struct decode_layout {
   QEVICT_HOST_DEVICE constexpr int items_for(int entries, int recent_tokens) const {
     return item_count::of_lane(window, sinks, entries, recent_tokens);
   }
+  /// Sets the capacity of a window list and the items a lane can then have (a cache whose layers
+  /// differ gives every layer the largest capacity, so that the lists share one stride).
+  constexpr void set_list_capacity(int entries) {
+    entries_per_lane = entries;
+    max_items = items_for(entries, recent_capacity);
+  }
 
   /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records need
   /// `rotation` (see for_config).
@@ -185,8 +191,7 @@ struct decode_layout {
     d.ledger_value_scale_offset = p.record.value_scale_offset();
     d.ledger_value_zero_offset = p.record.value_zero_offset();
     // Caps count units of the whole layer, so one unit can hold up to all of them.
-    d.entries_per_lane = static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows));
-    d.max_items = d.items_for(d.entries_per_lane, p.recent_capacity);
+    d.set_list_capacity(static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows)));
     return d;
   }
 

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(128) prefill_attention_kernel(const cache_para
       out[(static_cast<std::size_t>(i) * HQ + qh) * D + c] = o / Ls;
     }
   if (i >= first_observer) {
-    const int U = L.units, u = kvh / L.heads_per_unit;
+    const int U = L.units, u = L.unit_of(kvh);
     const double unit_queries = static_cast<double>(HQ) / U;
     double* row = qmass + static_cast<std::size_t>(i - first_observer) * started * U;
     for (int j = L.sinks + warp; j <= i; j += 4) {

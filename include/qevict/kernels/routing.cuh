@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
 }
 
 /// Loads post-RoPE key and value element (token j of window w, KV head h, channel c) from a source.
-/// A Full slot holds the heads of one unit: KV head h is its head h % heads_per_unit.
+/// A Full slot holds the heads of one unit: KV head h is its head L.head_in_unit(h).
 struct token_reader {
   const cache_params* P;
   const std::byte* region;
@@ -307,13 +307,35 @@ struct token_reader {
     if (kind == 0 || kind == 1) {
       const int capacity = kind == 0 ? L.recent_capacity : L.window;
       const int s = kind == 0 ? (w * L.window + j) % L.recent_capacity : j;
-      const int head = kind == 0 ? h : h % L.heads_per_unit;
+      const int head = kind == 0 ? h : L.head_in_unit(h);
       const std::byte* base = kind == 0 ? region + L.recent_offset
                                         : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
       return numeric::load(P->element, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
     }
     const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
     return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
+  }
+};
+
+/// Work item `item` of a lane's migration tasks for the quantize and store kernels: (task, KV head
+/// of the task's unit, keys or values), so that a window's keys and values go to two warps at once
+/// (each is a chain of dependent steps). A lane has n_tasks * heads_per_unit * 2 items.
+struct migration_item {
+  migration_task task;
+  bool keys;    ///< keys (true) or values
+  int in_unit;  ///< the head's place in the unit's Full slot and record
+  int h;        ///< the KV head
+  int w;        ///< the window
+
+  __device__ static migration_item of(const decode_layout& L, const migration_task* tasks, int item) {
+    const int hu = L.heads_per_unit, task_head = item >> 1;
+    migration_item m;
+    m.task = tasks[task_head / hu];
+    m.keys = (item & 1) == 0;
+    m.in_unit = task_head % hu;
+    m.h = m.task.entry % L.units * hu + m.in_unit;
+    m.w = m.task.entry / L.units;
+    return m;
   }
 };
 
@@ -339,14 +361,9 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   const int worker = lane_id;
   const bool active = worker < D / 4;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  // Work items: (task, KV head of its unit, keys or values), so that a window's keys and values
-  // are quantized by two warps at once (each is a chain of dependent steps).
-  const int hu = L.heads_per_unit;
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * hu * 2; item += warps) {
-    const bool keys = (item & 1) == 0;
-    const int task_head = item >> 1;
-    const migration_task task = S.quantize_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / hu];
-    const int in_unit = task_head % hu, h = task.entry % L.units * hu + in_unit, w = task.entry / L.units;
+  const migration_task* tasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
+    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
     const token_reader rd{&P, region_c, src, task.source, task.src_slot};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(in_unit) * L.record_head_bytes);
@@ -457,12 +474,9 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
   const int lane_id = threadIdx.x & 31;
   const int warps = blockDim.x / 32 * gridDim.y;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  const int hu = L.heads_per_unit;
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * hu * 2; item += warps) {
-    const bool keys = (item & 1) == 0;
-    const int task_head = item >> 1;
-    const migration_task task = S.store_tasks[static_cast<std::size_t>(blockIdx.x) * P.max_tasks + task_head / hu];
-    const int in_unit = task_head % hu, h = task.entry % L.units * hu + in_unit, w = task.entry / L.units;
+  const migration_task* tasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
+    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
     void* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     if (task.source == 3) {
       const std::uint8_t* rec = reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset +

@@ -123,9 +123,11 @@ class cuda_cache {
       sequence_stride_ += p.region_bytes;
     }
     // Per-lane arrays (window lists, free-slot stacks) have one stride for all layers: the largest.
+    std::vector<kernels::decode_layout> layouts;
     int list_capacity = 0, full_stride = 0, ledger_stride = 0;
     for (const region_plan& p : plans_) {
-      list_capacity = std::max(list_capacity, static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows)));
+      layouts.push_back(kernels::decode_layout::for_config<Config>(p, g.rope.layout));
+      list_capacity = std::max(list_capacity, layouts.back().entries_per_lane);
       full_stride = std::max(full_stride, static_cast<int>(p.caps.full));
       ledger_stride = std::max(ledger_stride, static_cast<int>(p.caps.quantized));
     }
@@ -137,12 +139,11 @@ class cuda_cache {
     for (int l = 0; l < g.layers; ++l) {
       const region_plan& p = plans_[static_cast<std::size_t>(l)];
       kernels::cache_params P;
-      P.L = kernels::decode_layout::for_config<Config>(p, g.rope.layout);
+      P.L = layouts[static_cast<std::size_t>(l)];
       P.L.layers = g.layers;
       P.L.sequence_stride = sequence_stride_;
       P.L.layer_offset = layer_offset_[static_cast<std::size_t>(l)];
-      P.L.entries_per_lane = list_capacity;
-      P.L.max_items = P.L.items_for(list_capacity, p.recent_capacity);
+      P.L.set_list_capacity(list_capacity);
       detail::require((P.L.region_bytes | P.L.sink_offset | P.L.recent_offset | P.L.full_offset | P.L.ledger_offset) % 16 == 0,
                       "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
                       "(max_tokens - sinks + window - 1) / window is a multiple of 4");
@@ -405,13 +406,7 @@ class cuda_cache {
     check();
     const std::vector<window_record> table = download_table(s, layer);
     const mirror& m = mirror_of(s, layer);
-    std::vector<window_info> out;
-    for (int w = 0; w < windows_started(m.tokens); ++w)
-      for (int u = 0; u < plan_.units; ++u) {
-        const window_record& rec = table[static_cast<std::size_t>(w) * plan_.units + u];
-        out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < m.aged), rec.score, rec.ledger_slot >= 0, u});
-      }
-    return out;
+    return describe_windows(plan_, table.data(), m.tokens, m.aged, first_position(s));
   }
 
   tier_counts counts(sequence_id s, int layer) const {
@@ -453,16 +448,16 @@ class cuda_cache {
       k_post[(static_cast<std::size_t>(j) * hkv + h) * d + c] = key;
       v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = value;
     };
+    const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
+    std::vector<std::uint8_t> bytes(p.quantized_window_bytes());
+    std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
     for (int u = 0; u < U; ++u) {
       const window_record& rec = table[static_cast<std::size_t>(w) * U + u];
       const tier t = tier_of(rec, w < m.aged);
       detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
       if (t == tier::quantized) {
-        std::vector<std::uint8_t> bytes(p.quantized_window_bytes());
         QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + p.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * bytes.size(),
                                      bytes.size(), cudaMemcpyDeviceToHost));
-        const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
-        std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
         for (int j = 0; j < Wn; ++j)
           for (int hl = 0; hl < hu; ++hl) {
             quantizer::dequantize_key(p.record, bytes.data(), hl, j, kd.data());
@@ -609,17 +604,7 @@ class cuda_cache {
   }
 
   tier_counts counts_of(const std::vector<window_record>& table, const mirror& m) const {
-    tier_counts c;
-    c.sink_tokens = static_cast<std::size_t>(std::min(m.tokens, plan_.sinks));
-    c.recent_tokens = static_cast<std::size_t>(std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window));
-    for (int e = 0; e < m.aged * plan_.units; ++e) {  // in routing units
-      switch (tier_of(table[static_cast<std::size_t>(e)], true)) {
-        case tier::full: ++c.full; c.ledger_copies += table[static_cast<std::size_t>(e)].ledger_slot >= 0 ? 1u : 0u; break;
-        case tier::quantized: ++c.quantized; break;
-        default: ++c.evicted; break;
-      }
-    }
-    return c;
+    return count_tiers(plan_, table.data(), m.tokens, m.aged);
   }
 
   geometry geo_;

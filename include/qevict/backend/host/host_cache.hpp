@@ -363,32 +363,13 @@ class host_cache {
   /// One entry per window and routing unit, oldest window first.
   std::vector<window_info> windows(sequence_id s, int layer) const {
     const lane_state& lane = lane_of(s, layer);
-    const window_record* table = table_of(region_of(s, layer));
-    std::vector<window_info> out;
-    for (int w = 0; w < windows_started(lane.tokens); ++w)
-      for (int u = 0; u < plan_.units; ++u) {
-        const window_record& rec = table[w * plan_.units + u];
-        out.push_back(window_info{w, window_first_position(s, w), tier_of(rec, w < lane.aged), rec.score,
-                                  rec.ledger_slot >= 0, u});
-      }
-    return out;
+    return describe_windows(plan_, table_of(region_of(s, layer)), lane.tokens, lane.aged, first_position(s));
   }
 
   /// Tier counts in routing units (windows, or window-heads with per-KV-head selection).
   tier_counts counts(sequence_id s, int layer) const {
     const lane_state& lane = lane_of(s, layer);
-    const window_record* table = table_of(region_of(s, layer));
-    tier_counts c;
-    c.sink_tokens = static_cast<std::size_t>(std::min(lane.tokens, plan_.sinks));
-    c.recent_tokens = static_cast<std::size_t>(recent_count(lane));
-    for (int e = 0; e < lane.aged * plan_.units; ++e) {
-      switch (tier_of(table[e], true)) {
-        case tier::full: ++c.full; c.ledger_copies += table[e].ledger_slot >= 0 ? 1u : 0u; break;
-        case tier::quantized: ++c.quantized; break;
-        default: ++c.evicted; break;
-      }
-    }
-    return c;
+    return count_tiers(plan_, table_of(region_of(s, layer)), lane.tokens, lane.aged);
   }
 
   budget_report report() const {
