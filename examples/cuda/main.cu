@@ -5,7 +5,7 @@
 // rounding; the window scores differ by about 1e-6 relative, so two windows whose scores are that
 // close may also be routed differently, which the GPU tests rule out by sharing scores).
 //
-//   qevict_cuda [preset]      preset: qevict (default), qevict_window_relative, h2o, kivi2
+//   qevict_cuda [preset]      preset: qevict (default), qevict_window_relative, h2o, kivi2, zipcache_like
 //
 // Exits with 77 on a machine without a CUDA device.
 
@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -69,7 +70,13 @@ int run(cudaStream_t st) {
                            .element = qevict::element_type::bf16,
                            .rope = {.theta = 500000.0f, .layout = qevict::rope_layout::rotate_half}};
   const qevict::limits lim{.max_batch = 4, .max_tokens = 4096};
-  const qevict::budget b = Preset::allocator::keeps_everything ? qevict::budget::everything() : qevict::budget::fraction(0.20);
+  // Methods that never evict get the budget they need for everything, except zipcache_like, whose
+  // budget decides how many windows get its 4-bit top tier (the rest are 2-bit): 35% of the full
+  // cache gives it both.
+  const bool mixed = std::string_view{Preset::name} == "zipcache_like";
+  const qevict::budget b = mixed ? qevict::budget::fraction(0.35)
+                           : Preset::allocator::keeps_everything ? qevict::budget::everything()
+                                                                 : qevict::budget::fraction(0.20);
   // The GPU cache: its arena, tables and workspace are device memory it allocates here, once.
   qevict::cache<config, qevict::backend::cuda> gpu(g, b, lim, qevict::backend::cuda::settings{.stream = st});
   qevict::cache<config> host(g, b, lim);  // the reference: the same algorithm in scalar C++
@@ -152,7 +159,8 @@ int main(int argc, char** argv) {
   else if (name == "qevict_window_relative") rc = run<qevict::presets::qevict_window_relative>(st);
   else if (name == "h2o") rc = run<qevict::presets::h2o>(st);
   else if (name == "kivi2") rc = run<qevict::presets::kivi2>(st);
-  else std::printf("unknown preset %s (qevict, qevict_window_relative, h2o, kivi2)\n", name.c_str());
+  else if (name == "zipcache_like") rc = run<qevict::presets::zipcache_like>(st);
+  else std::printf("unknown preset %s (qevict, qevict_window_relative, h2o, kivi2, zipcache_like)\n", name.c_str());
   QEVICT_CUDA_CHECK(cudaStreamDestroy(st));
   return rc;
 }

@@ -300,6 +300,33 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
         }
     }
   }
+  // read_window decodes each window as attention sees it, on both backends from the same bytes:
+  // the floats must be identical, and a window one backend refuses (evicted, not complete) the
+  // other refuses too.
+  long long windows_read = 0, window_mismatches = 0;
+  {
+    const std::size_t n = static_cast<std::size_t>(Cfg::window_policy::size) * g.kv_heads * g.head_dim;
+    std::vector<float> kh(n), vh(n), kd(n), vd(n);
+    for (sequence_id s : seqs)
+      for (int l = 0; l < g.layers; ++l)
+        for (int w = 0; w * Cfg::window_policy::size + Cfg::window_policy::sinks < t.host.tokens(s, l); ++w) {
+          bool host_ok = true, dev_ok = true;
+          try {
+            t.host.read_window(s, l, w, kh, vh);
+          } catch (const qevict::error&) {
+            host_ok = false;
+          }
+          try {
+            t.dev.read_window(s, l, w, kd, vd);
+          } catch (const qevict::error&) {
+            dev_ok = false;
+          }
+          if (host_ok != dev_ok || (host_ok && (kh != kd || vh != vd))) ++window_mismatches;
+          windows_read += host_ok;
+        }
+  }
+  CHECK(window_mismatches == 0);
+  CHECK(windows_read > 0);
   std::size_t compared = 0;
   const std::size_t diff = t.arena_differences(seqs, compared);
   qevict::tier_counts c;
@@ -311,7 +338,8 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
                << ": " << spec.steps << " steps, " << e.routing_events << " routing events, " << e.tables_compared
                << " tables identical; windows now " << c.full << " full / " << c.quantized << " quantized / "
                << c.evicted << " evicted; worst output error " << e.out << ", prefill output " << e.prefill_out
-               << ", score L1 " << e.score << "; arena bytes differing " << diff << " of " << compared);
+               << ", score L1 " << e.score << "; arena bytes differing " << diff << " of " << compared << "; "
+               << windows_read << " windows read back identically");
   CHECK(e.out <= 2e-3);
   CHECK(e.prefill_out <= 2e-3);
   CHECK(e.score <= 1e-3);

@@ -7,7 +7,8 @@
 // item gathers 8 windows from their Full slots), W = 32 (r4 with records before RoPE, kivi2 with
 // records after RoPE: a window is 4 items, its record staged part by part), and W = 2, 4 and 16 in
 // configurations of their own; so are 4-bit codes (kivi4 after RoPE at W = 32, kvquant_like
-// before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted).
+// before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted), and a
+// quantized top tier (zipcache_like: 4-bit Full windows and 2-bit records in one attention pass).
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -92,6 +93,47 @@ TEST_CASE("CUDA backend: 4-bit records that are promoted, demoted and evicted (t
   using int4_post = config<>::with_quantizer<quantizers::asymmetric<4, meta::bf16, quantizers::key_frame::after_rope>>;
   run_shapes<int4>(budget::fraction(0.20), 3001);
   run_shapes<int4_post>(budget::fraction(0.10), 3011);
+}
+
+TEST_CASE("CUDA backend: a quantized top tier (4-bit Full windows over 2-bit records, as zipcache_like)") {
+  // zipcache_like with a budget between "every window at 2 bits" and "every window at 4 bits", so
+  // that windows move between the tiers; three tiers whose Full windows are 4-bit records (with
+  // eviction), before RoPE at W = 8 and after RoPE at W = 16; and per-KV-head selection over both.
+  using zipcache = presets::zipcache_like::config_type;
+  using top4 = config<>::with_full_tier<full_tier::quantized_as<quantizers::asymmetric<4>>>;
+  using post = quantizers::key_frame::after_rope;
+  using top4_post16 = config<>::with_window<window<16, 5, 32>>::with_quantizer<quantizers::asymmetric<2, meta::bf16, post>>::
+      with_full_tier<full_tier::quantized_as<quantizers::asymmetric<4, meta::bf16, post>>>;
+  using top4_per_head = top4::with_selection<selection::per_kv_head>;
+  static_assert(backend::cuda_supports<zipcache> && backend::cuda_supports<top4> && backend::cuda_supports<top4_post16> &&
+                backend::cuda_supports<top4_per_head>);
+  // Both tiers must hold windows after the events, or the test would not exercise both record
+  // widths in one attention pass, promotions (2-bit record -> 4-bit) and demotions (4 -> 2).
+  long long full = 0, quantized = 0, evicted = 0;
+  const auto count = [&](auto& t, sequence_id s, int l, gpu_test::routing_event) {
+    const tier_counts c = t.host.counts(s, l);
+    full += c.full;
+    quantized += c.quantized;
+    evicted += c.evicted;
+  };
+  unsigned seed = 6001;
+  for (const case_spec& c : shapes(budget::fraction(0.45))) {
+    CAPTURE(c.head_dim);
+    run_case<zipcache>(c, seed++, count);
+  }
+  MESSAGE("zipcache_like: window-events full " << full << ", quantized " << quantized << ", evicted " << evicted);
+  CHECK(full > 0);
+  CHECK(quantized > 0);
+  CHECK(evicted == 0);
+  full = quantized = 0;
+  for (const case_spec& c : shapes(budget::fraction(0.20))) {
+    CAPTURE(c.head_dim);
+    run_case<top4>(c, seed++, count);
+    run_case<top4_post16>(c, seed++, count);
+    run_case<top4_per_head>(c, seed++, count);
+  }
+  CHECK(full > 0);
+  CHECK(quantized > 0);
 }
 
 TEST_CASE("CUDA backend: windows of 2, 4 and 16 tokens") {

@@ -5,8 +5,8 @@
 //     record part that copy_item stages, is 16-byte aligned;
 //   - an item's staged record (8 tokens) fits its shared-memory slot, in front of the per-window
 //     key data the kernel writes behind it;
-//   - the staged offsets are those of an 8-token record, and the ledger offsets those of the
-//     window's record;
+//   - the staged offsets are those of an 8-token record, and the window offsets those of the
+//     window's record, for the ledger's records and a quantized top tier's;
 //   - a lane's items are counted the same way for the workspace (max_items) and at run time;
 //   - each KV head maps to its routing unit and its place in the unit's slots and records;
 //   - with a budget per layer, each layer's regions lie where the host backend puts them.
@@ -38,42 +38,59 @@ void check_layouts(int head_dim, const budget& b) {
   const limits lim{.max_batch = 2, .max_tokens = 4096};
   const region_plan p = make_region_plan<Config>(g, b, lim);
   const kernels::decode_layout L = kernels::decode_layout::for_config<Config>(p, rope_layout::rotate_half);
-  const int W = Config::window_policy::size, bits = Config::quantizer::bits;
+  const int W = Config::window_policy::size;
   CAPTURE(W);
-  CAPTURE(bits);
 
   // Sections and slots.
   CHECK((L.region_bytes | L.sink_offset | L.recent_offset | L.full_offset | L.ledger_offset) % 16 == 0);
   CHECK(L.full_window_bytes % 16 == 0);
-  // The staged record is an 8-token record; the ledger's is the window's.
-  const quantizers::record_layout staged = Config::quantizer::layout(8, 1, head_dim);
-  const quantizers::record_layout window = Config::quantizer::layout(W, 1, head_dim);
-  CHECK(L.key_scale_offset == staged.key_scale_offset());
-  CHECK(L.value_codes_offset == staged.value_codes_offset());
-  CHECK(L.value_zero_offset == staged.value_zero_offset());
-  CHECK(L.staged_record_bytes == staged.head_bytes());
-  CHECK(L.ledger_key_scale_offset == window.key_scale_offset());
-  CHECK(L.ledger_value_scale_offset == window.value_scale_offset());
-  CHECK(L.code_bits == bits);
-  // Records (only W >= 8 keeps them on the CUDA backend): each KV head's record is 16-byte
-  // aligned, and copy_item's pieces of part k (key codes, key scales and zeros, value codes,
-  // value scales, value zeros) are whole 16-byte pieces at 16-byte aligned offsets.
-  if (W >= 8) {
-    CHECK(L.record_head_bytes % 16 == 0);
-    const std::size_t part_codes = 8 * static_cast<std::size_t>(head_dim) * bits / 8;
-    CHECK(part_codes % 16 == 0);
-    for (int k = 0; k < W / 8; ++k) {
-      CHECK((k * part_codes) % 16 == 0);
-      CHECK((L.ledger_value_codes_offset + k * part_codes) % 16 == 0);
-      CHECK((L.ledger_value_scale_offset + 16 * k) % 16 == 0);
-      CHECK((L.ledger_value_zero_offset + 16 * k) % 16 == 0);
-    }
-    CHECK(L.ledger_key_scale_offset % 16 == 0);
-    CHECK(2 * staged.head_dim * staged.meta_bytes % 16 == 0);  // scales and zeros together
-  }
-  // The staged record fits in front of the per-window key data written behind it.
+  // Each record format (the ledger's, and a quantized top tier's): the staged record is an 8-token
+  // record, the window offsets are the window's record's.
   const int cs_offset = head_dim == 128 ? kernels::detail::window_cs_offset<128> : kernels::detail::window_cs_offset<64>;
-  CHECK(L.staged_record_bytes <= static_cast<std::size_t>(cs_offset));
+  const auto check_format = [&]<class Q>(const kernels::record_format& f) {
+    CAPTURE(Q::bits);
+    const quantizers::record_layout staged = Q::layout(8, 1, head_dim);
+    const quantizers::record_layout window = Q::layout(W, 1, head_dim);
+    CHECK(f.bits == Q::bits);
+    CHECK(f.head_bytes == window.head_bytes());
+    CHECK(f.staged_key_scale == staged.key_scale_offset());
+    CHECK(f.staged_key_zero == staged.key_zero_offset());
+    CHECK(f.staged_value_codes == staged.value_codes_offset());
+    CHECK(f.staged_value_scale == staged.value_scale_offset());
+    CHECK(f.staged_value_zero == staged.value_zero_offset());
+    CHECK(f.staged_bytes == staged.head_bytes());
+    CHECK(f.key_scale == window.key_scale_offset());
+    CHECK(f.value_codes == window.value_codes_offset());
+    CHECK(f.value_scale == window.value_scale_offset());
+    CHECK(f.value_zero == window.value_zero_offset());
+    // Records (only W >= 8 keeps them on the CUDA backend): each KV head's record is 16-byte
+    // aligned, and copy_item's pieces of part k (key codes, key scales and zeros, value codes,
+    // value scales, value zeros) are whole 16-byte pieces at 16-byte aligned offsets.
+    if (W >= 8) {
+      CHECK(f.head_bytes % 16 == 0);
+      const std::size_t part_codes = 8 * static_cast<std::size_t>(head_dim) * Q::bits / 8;
+      CHECK(part_codes % 16 == 0);
+      for (int k = 0; k < W / 8; ++k) {
+        CHECK((k * part_codes) % 16 == 0);
+        CHECK((f.value_codes + k * part_codes) % 16 == 0);
+        CHECK((f.value_scale + 16 * k) % 16 == 0);
+        CHECK((f.value_zero + 16 * k) % 16 == 0);
+      }
+      CHECK(f.key_scale % 16 == 0);
+      CHECK(2 * staged.head_dim * staged.meta_bytes % 16 == 0);  // scales and zeros together
+    }
+    // The staged record fits in front of the per-window key data written behind it.
+    CHECK(f.staged_bytes <= static_cast<std::size_t>(cs_offset));
+  };
+  check_format.template operator()<typename Config::quantizer>(L.ledger_format);
+  using full_tier = typename Config::full_tier_policy;
+  if constexpr (full_tier::quantized) {
+    check_format.template operator()<typename full_tier::quantizer>(L.full_format);
+    CHECK(L.full_window_bytes == p.full_record.window_bytes());
+  } else {
+    CHECK(L.full_format.bits == 0);
+    CHECK(L.full_window_bytes == static_cast<std::size_t>(W) * L.heads_per_unit * 2 * head_dim * 2);
+  }
   // Items: the workspace's bound is the run-time count at the fullest state.
   CHECK(L.max_items == L.items_for(L.entries_per_lane, p.recent_capacity));
   CHECK(L.listed_items(L.entries_per_lane) == (W >= 8 ? L.entries_per_lane * (W / 8) : (L.entries_per_lane + 8 / W - 1) / (8 / W)));
@@ -86,7 +103,6 @@ void check_layouts(int head_dim, const budget& b) {
     CHECK(L.unit_of(h) < L.units);
     CHECK(L.head_in_unit(h) < L.heads_per_unit);
   }
-  CHECK(L.full_window_bytes == static_cast<std::size_t>(W) * L.heads_per_unit * 2 * head_dim * 2);
 }
 
 }  // namespace
@@ -109,6 +125,10 @@ TEST_CASE("decode_layout: alignment, staged records and item counts for every wi
     check_layouts<presets::adakv::config_type>(d, budget::fraction(0.2));
     check_layouts<presets::criticalkv::config_type>(d, budget::fraction(0.2));
     check_layouts<config<>::with_selection<selection::per_kv_head>>(d, budget::fraction(0.2));
+    check_layouts<presets::zipcache_like::config_type>(d, budget::fraction(0.3));
+    check_layouts<config<>::with_full_tier<full_tier::quantized_as<asymmetric<4>>>>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<16, 5, 32>>::with_quantizer<asymmetric<2, meta::bf16, key_frame::after_rope>>::
+                      with_full_tier<full_tier::quantized_as<asymmetric<4, meta::bf16, key_frame::after_rope>>>>(d, budget::fraction(0.2));
   }
 }
 

@@ -950,13 +950,10 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   // docs/policies.md, "Backends".
   CHECK(on_cuda == std::set<std::string>{"qevict", "qevict_post_rope", "qevict_window_relative", "full_kv", "streaming_llm", "h2o",
                                          "snapkv", "adakv", "criticalkv", "defensivekv", "layer_defensivekv", "kivi2", "kivi4",
-                                         "kvquant_like", "r2", "r3", "r4"});
+                                         "kvquant_like", "zipcache_like", "r2", "r3", "r4"});
   // layer_defensivekv is defensivekv's configuration, used with budget::with_layer_shares.
   static_assert(std::is_same_v<presets::layer_defensivekv::config_type, presets::defensivekv::config_type>);
-  // The reasons the others stay on the host backend.
-  using zipcache = cuda_support<presets::zipcache_like::config_type>;
-  CHECK(zipcache::quantizer);  // its 2-bit tier
-  CHECK_FALSE(zipcache::full_tier);
+  // The reason the other one stays on the host backend.
   using r1 = cuda_support<presets::r1::config_type>;  // W = 1 with quantized records
   CHECK_FALSE(r1::short_windows);
   CHECK(r1::quantizer);
@@ -975,4 +972,18 @@ TEST_CASE("backend::cuda_supports: which presets the CUDA backend runs, and the 
   CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>);
   CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::window_relative>>>);
   CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8>>>);
+  // A quantized top tier: records of a kernel quantizer in the ledger's key frame, windows of at
+  // least 8 tokens, scores that do not weigh values.
+  using qevict::full_tier::quantized_as;
+  CHECK(cuda_support<presets::zipcache_like::config_type>::full_tier);
+  CHECK(qevict::backend::cuda_supports<config<>::with_full_tier<quantized_as<asymmetric<4>>>>);
+  CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<2, qevict::meta::bf16, frame::after_rope>>::with_full_tier<
+            quantized_as<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>>);
+  CHECK_FALSE(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>>::full_tier);
+  CHECK_FALSE(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<8>>>>::full_tier);
+  CHECK_FALSE(cuda_support<config<>::with_quantizer<asymmetric<2, qevict::meta::bf16, frame::window_relative>>::with_full_tier<
+                  quantized_as<asymmetric<4, qevict::meta::bf16, frame::window_relative>>>>::full_tier);
+  CHECK_FALSE(cuda_support<config<>::with_window<qevict::window<4, 5, 32>>::with_allocator<qevict::allocators::two_tier>::with_full_tier<
+                  quantized_as<asymmetric<4>>>>::short_windows);
+  CHECK_FALSE(cuda_support<presets::criticalkv::config_type::with_full_tier<quantized_as<asymmetric<4>>>>::scorer);
 }

@@ -1,8 +1,9 @@
 #pragma once
 // Fused decode attention over a QEvict cache: one pass over the sinks, the Full windows (bf16 or
-// fp16), the Quantized windows (INT2 or INT4 codes dequantized in registers; keys quantized before
-// RoPE are rotated in registers at their positions, keys quantized after RoPE are used as they
-// are) and the recent region, with each window's attention mass as a by-product.
+// fp16 rows, or the records of a quantized top tier), the Quantized windows (INT2 or INT4 codes
+// dequantized in registers; keys quantized before RoPE are rotated in registers at their
+// positions, keys quantized after RoPE are used as they are) and the recent region, with each
+// window's attention mass as a by-product.
 //
 // Work list. Every (sequence, layer) — a lane — has one compact window list per routing unit
 // (CSR-style: a fixed stride per list and a count) of (window index, slot) entries for its Full
@@ -98,6 +99,37 @@ struct item_count {
   }
 };
 
+/// Where the parts of one KV head's quantized record lie: in the window's record (W tokens, in its
+/// ledger record or Full slot), and in its shared-memory copy, which is staged in the layout of an
+/// 8-token record (the window's record itself when W = 8).
+struct record_format {
+  int bits = 0;                ///< code width (2 or 4); 0: no records of this kind
+  std::size_t head_bytes = 0;  ///< one KV head's record (W tokens)
+  /// Offsets in the window's record, where an item's parts are copied from.
+  std::size_t key_scale = 0, value_codes = 0, value_scale = 0, value_zero = 0;
+  /// Offsets in the staged 8-token record, and its size.
+  std::size_t staged_key_scale = 0, staged_key_zero = 0, staged_value_codes = 0, staged_value_scale = 0,
+              staged_value_zero = 0, staged_bytes = 0;
+
+  static constexpr record_format of(const quantizers::record_layout& r) {
+    const quantizers::record_layout staged{8, 1, r.head_dim, r.bits, r.meta_bytes};
+    record_format f;
+    f.bits = r.bits;
+    f.head_bytes = r.head_bytes();
+    f.key_scale = r.key_scale_offset();
+    f.value_codes = r.value_codes_offset();
+    f.value_scale = r.value_scale_offset();
+    f.value_zero = r.value_zero_offset();
+    f.staged_key_scale = staged.key_scale_offset();
+    f.staged_key_zero = staged.key_zero_offset();
+    f.staged_value_codes = staged.value_codes_offset();
+    f.staged_value_scale = staged.value_scale_offset();
+    f.staged_value_zero = staged.value_zero_offset();
+    f.staged_bytes = staged.head_bytes();
+    return f;
+  }
+};
+
 /// Grid-invariant description of the byte layout (built on the host from region_plan).
 ///
 /// Items. The kernel works on items of 8 tokens whatever the window size W (1, 2, 4, 8, 16 or 32):
@@ -122,16 +154,16 @@ struct decode_layout {
   /// limit, would rather spill than recompute).
   QEVICT_HOST_DEVICE constexpr int unit_of(int h) const { return units == 1 ? 0 : h; }
   QEVICT_HOST_DEVICE constexpr int head_in_unit(int h) const { return units == 1 ? h : 0; }
+  /// The window and the unit of window-table entry e (window * units + unit); with one unit a
+  /// select, not a division.
+  QEVICT_HOST_DEVICE constexpr int window_of_entry(int e) const { return units == 1 ? e : e / units; }
+  QEVICT_HOST_DEVICE constexpr int unit_of_entry(int e) const { return units == 1 ? 0 : e % units; }
   rope_layout layout = rope_layout::rotate_half;
   std::size_t region_bytes = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
-  std::size_t full_window_bytes = 0, record_bytes = 0, record_head_bytes = 0;
-  /// Offsets in an item's staged record (an 8-token record: the window's record when W = 8).
-  std::size_t key_scale_offset = 0, key_zero_offset = 0, value_codes_offset = 0, value_scale_offset = 0,
-              value_zero_offset = 0, staged_record_bytes = 0;
-  /// Offsets in a window's record in the ledger (W tokens), where the parts are copied from.
-  std::size_t ledger_key_scale_offset = 0, ledger_value_codes_offset = 0, ledger_value_scale_offset = 0,
-              ledger_value_zero_offset = 0;
-  int code_bits = 2;  ///< bits of a record's codes (2 or 4)
+  std::size_t full_window_bytes = 0, record_bytes = 0;
+  /// The ledger's records, and the Full slots' records when the top tier is quantized
+  /// (full_tier::quantized_as; full_records.bits == 0: a Full slot holds token rows).
+  record_format ledger_format{}, full_format{};
   int entries_per_lane = 0;  ///< capacity of one window list (one lane and unit)
   int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items
   /// How attention turns a record's dequantized keys into the query's frame.
@@ -177,19 +209,8 @@ struct decode_layout {
     d.ledger_offset = p.ledger_offset;
     d.full_window_bytes = p.full_window_bytes;
     d.record_bytes = p.record.window_bytes();
-    d.record_head_bytes = p.record.head_bytes();
-    d.code_bits = p.record.bits;
-    const quantizers::record_layout staged{8, 1, p.record.head_dim, p.record.bits, p.record.meta_bytes};
-    d.key_scale_offset = staged.key_scale_offset();
-    d.key_zero_offset = staged.key_zero_offset();
-    d.value_codes_offset = staged.value_codes_offset();
-    d.value_scale_offset = staged.value_scale_offset();
-    d.value_zero_offset = staged.value_zero_offset();
-    d.staged_record_bytes = staged.head_bytes();
-    d.ledger_key_scale_offset = p.record.key_scale_offset();
-    d.ledger_value_codes_offset = p.record.value_codes_offset();
-    d.ledger_value_scale_offset = p.record.value_scale_offset();
-    d.ledger_value_zero_offset = p.record.value_zero_offset();
+    d.ledger_format = record_format::of(p.record);
+    if (p.full_record.bits != 0) d.full_format = record_format::of(p.full_record);
     // Caps count units of the whole layer, so one unit can hold up to all of them.
     d.set_list_capacity(static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows)));
     return d;
@@ -271,9 +292,10 @@ __device__ __forceinline__ float exp2_sfu(float x) {
 
 /// One item (8 tokens) as a warp sees it.
 struct item_view {
-  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a quantized record,
-                   // 3: token rows gathered from the Full slots of 8/W windows (W < 8)
-  const std::uint8_t* base;  // rows: the block's base for this KV head; quantized: the record's head base
+  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a ledger record,
+                   // 3: token rows gathered from the Full slots of 8/W windows (W < 8),
+                   // 4: part of a Full slot's record (a quantized top tier)
+  const std::uint8_t* base;  // rows: the block's base for this KV head; records: the record's head base
   int capacity;    // rows: rows per keys/values section
   int first_slot;  // rows: slot of token 0 (ring for the recent region)
   int valid;       // tokens that exist
@@ -290,19 +312,22 @@ struct head_sections {
 };
 
 /// A Full slot and a ledger record hold the heads of one routing unit: KV head h is head
-/// head_in_unit(h) there (h itself with per-layer selection, 0 with per-KV-head selection).
-template <int ElementBytes>
+/// head_in_unit(h) there (h itself with per-layer selection, 0 with per-KV-head selection). A Full
+/// slot holds each head's token rows, or its record when the top tier is quantized (FullBits != 0).
+template <int ElementBytes, int FullBits>
 __device__ __forceinline__ head_sections sections_of(const decode_layout& L, const std::uint8_t* region, int h) {
   const std::size_t d = static_cast<std::size_t>(L.head_dim) * ElementBytes;
   const int in_unit = L.head_in_unit(h);
-  return head_sections{region + L.sink_offset + h * 2 * L.sinks * d, region + L.full_offset + in_unit * 2 * L.window * d,
-                       region + L.ledger_offset + in_unit * L.record_head_bytes,
+  const std::size_t full_head = FullBits != 0 ? L.full_format.head_bytes : 2 * L.window * d;
+  return head_sections{region + L.sink_offset + h * 2 * L.sinks * d, region + L.full_offset + in_unit * full_head,
+                       region + L.ledger_offset + in_unit * L.ledger_format.head_bytes,
                        region + L.recent_offset + h * 2 * L.recent_capacity * d};
 }
 
 /// Item `item` of a lane (the virtual list [sink group][listed windows' items][recent items]).
-/// For a kind-3 item, rows[r] receives the offset from the region of token r's key row.
-template <int W>
+/// For a kind-3 item, rows[r] receives the offset from the region of token r's key row. FullBits:
+/// the code width of the Full slots' records (0: they hold token rows).
+template <int W, int FullBits>
 __device__ __forceinline__ item_view describe_item(const decode_layout& L, const head_sections& at, const std::uint8_t* region,
                                                    const lane_state& lane, const window_entry* entries, int n_entries,
                                                    int item, int n_items, std::uint32_t* rows) {
@@ -327,7 +352,7 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
       v.part = i % (W / 8);
       v.valid = 8;
       if (e.slot >= 0) {
-        v.kind = 1;
+        v.kind = FullBits ? 4 : 1;
         v.capacity = W;
         v.first_slot = 8 * v.part;
         v.base = at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes;
@@ -419,28 +444,42 @@ constexpr int key_extra_offset = 16 * row_stride<D> - (D / 2) * 8;
 template <int D>
 constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 
+/// Whether an item of `kind` is (part of) a record: a ledger record, or a Full slot's record
+/// when the top tier is quantized (FullBits != 0).
+template <int FullBits>
+__device__ __forceinline__ bool is_record(int kind) {
+  return kind == 2 || (FullBits != 0 && kind == 4);
+}
+
+/// The format of a record item: the Full slots' for kind 4, the ledger's otherwise.
+template <int FullBits>
+__device__ __forceinline__ const record_format& format_of(const decode_layout& L, int kind) {
+  return FullBits != 0 && kind == 4 ? L.full_format : L.ledger_format;
+}
+
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
 /// probability never meets a stale NaN. `rows` holds a kind-3 item's key-row offsets.
-template <int D, int W, int Bits>
+template <int D, int W, int FullBits>
 __device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, const std::uint32_t* rows,
                                           std::uint8_t* dst, const std::uint8_t* region, int lane_id) {
-  if (it.kind == 2) {
+  if (is_record<FullBits>(it.kind)) {
+    const record_format& f = format_of<FullBits>(L, it.kind);
     if constexpr (W == 8) {
-      const int pieces = static_cast<int>(L.record_head_bytes / 16);
+      const int pieces = static_cast<int>(f.head_bytes / 16);
       for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
     } else {
       // Part `it.part` of a W-token record, into the staged 8-token layout: its key codes, the
       // window's key scales and zeros, its value codes, its 8 value scales and 8 value zeros.
-      constexpr int codes = 8 * D * Bits / 8 / 16, meta = 2 * D * 2 / 16;  // 16-byte pieces
+      const int codes = D * f.bits / 16;  // 16-byte pieces of 8 tokens' codes
+      constexpr int meta = 2 * D * 2 / 16;
       for (int q = lane_id; q < 2 * codes + meta + 2; q += 32) {
         std::size_t src;
         if (q < codes) src = static_cast<std::size_t>(it.part) * codes * 16 + 16 * q;
-        else if (q < codes + meta) src = L.ledger_key_scale_offset + 16 * (q - codes);
-        else if (q < 2 * codes + meta)
-          src = L.ledger_value_codes_offset + static_cast<std::size_t>(it.part) * codes * 16 + 16 * (q - codes - meta);
-        else if (q == 2 * codes + meta) src = L.ledger_value_scale_offset + 16 * it.part;
-        else src = L.ledger_value_zero_offset + 16 * it.part;
+        else if (q < codes + meta) src = f.key_scale + 16 * (q - codes);
+        else if (q < 2 * codes + meta) src = f.value_codes + static_cast<std::size_t>(it.part) * codes * 16 + 16 * (q - codes - meta);
+        else if (q == 2 * codes + meta) src = f.value_scale + 16 * it.part;
+        else src = f.value_zero + 16 * it.part;
         warp::cp_async16(dst + 16 * q, it.base + src, 16);
       }
     }
@@ -504,39 +543,17 @@ __device__ __forceinline__ void thread_codes(const std::uint32_t (&cw)[code_word
   }
 }
 
-/// Scores of one item for the thread: c[0], c[1] = head g's scores of tokens 2t, 2t+1 against the
-/// query's high part, c[2], c[3] against its low part (their sum is the score).
-/// The contraction index is the channel: chunk s holds channels 16s..16s+15 in mma order, so the
-/// thread owns channels 16s + {2t, 2t+1, 2t+8, 2t+9}; both members of every rotary pair (c and
-/// c + D/2, or 2m and 2m+1) then lie in one thread. A record's keys (codes of Bits) are rotated to
-/// their positions when Rotate (keys stored before RoPE) and used as they are otherwise.
+/// score_item for a record of `Bits`-bit codes in format f: codes of token g, per-channel scale
+/// and zero; dequantize in fp32, rotate to position t0 + g (keys stored before RoPE), split into
+/// high and low parts.
 template <int D, bool Bf16, int Bits, bool Rotate>
-__device__ __forceinline__ void score_item(const decode_layout& L, int kind, const std::uint8_t* s_item,
-                                           int g, int t, int lane_id, const float2* cs_j, const float2* cs_t0,
-                                           const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
-  c[0] = c[1] = c[2] = c[3] = 0.f;
-  if (kind != 2) {
-    // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels).
-    // Two accumulators, so that consecutive products do not wait for each other.
-    const std::uint8_t* rowp = s_item + (lane_id & 7) * row_stride<D> + (lane_id >> 3) * 16;
-    float odd[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int s = 0; s < D / 16; s += 2) {
-      std::uint32_t b0, b1, b2, b3;
-      warp::ldmatrix_x4(rowp + s * 32, b0, b1, b2, b3);
-      warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], b0, b1);
-      warp::mma_16<Bf16>(odd, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[e] += odd[e];
-    return;
-  }
-  // Record: codes of token g, per-channel scale and zero; dequantize in fp32, rotate to position
-  // t0 + g (keys stored before RoPE), split into high and low parts.
+__device__ __forceinline__ void score_codes(rope_layout layout, const record_format& f, const std::uint8_t* s_item, int g,
+                                            int t, const float2* cs_j, const float2* cs_t0,
+                                            const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
   std::uint32_t cw[code_words<D, Bits>];
   load_code_words<D, Bits>(s_item + g * (D * Bits / 8), cw);
-  const std::uint8_t* ks = s_item + L.key_scale_offset;
-  const std::uint8_t* kz = s_item + L.key_zero_offset;
+  const std::uint8_t* ks = s_item + f.staged_key_scale;
+  const std::uint8_t* kz = s_item + f.staged_key_zero;
   float x[D / 16][4];
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
@@ -566,7 +583,7 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
     b = a0 * ci + b0 * cr;
   };
   if constexpr (Rotate) {
-    if (L.layout == rope_layout::interleaved) {
+    if (layout == rope_layout::interleaved) {
 #pragma unroll
       for (int s = 0; s < D / 16; ++s) {
         rot(x[s][0], x[s][1], 8 * s + t);
@@ -590,6 +607,40 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
   }
 }
 
+/// Scores of one item for the thread: c[0], c[1] = head g's scores of tokens 2t, 2t+1 against the
+/// query's high part, c[2], c[3] against its low part (their sum is the score).
+/// The contraction index is the channel: chunk s holds channels 16s..16s+15 in mma order, so the
+/// thread owns channels 16s + {2t, 2t+1, 2t+8, 2t+9}; both members of every rotary pair (c and
+/// c + D/2, or 2m and 2m+1) then lie in one thread. A record's keys (codes of Bits in the ledger,
+/// of FullBits in a quantized top tier's Full slots) are rotated to their positions when Rotate
+/// (keys stored before RoPE) and used as they are otherwise.
+template <int D, bool Bf16, int Bits, int FullBits, bool Rotate>
+__device__ __forceinline__ void score_item(const decode_layout& L, int kind, const std::uint8_t* s_item,
+                                           int g, int t, int lane_id, const float2* cs_j, const float2* cs_t0,
+                                           const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
+  c[0] = c[1] = c[2] = c[3] = 0.f;
+  if (!is_record<FullBits>(kind)) {
+    // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels).
+    // Two accumulators, so that consecutive products do not wait for each other.
+    const std::uint8_t* rowp = s_item + (lane_id & 7) * row_stride<D> + (lane_id >> 3) * 16;
+    float odd[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < D / 16; s += 2) {
+      std::uint32_t b0, b1, b2, b3;
+      warp::ldmatrix_x4(rowp + s * 32, b0, b1, b2, b3);
+      warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], b0, b1);
+      warp::mma_16<Bf16>(odd, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] += odd[e];
+    return;
+  }
+  if constexpr (FullBits != 0) {
+    if (kind == 4) return score_codes<D, Bf16, FullBits, Rotate>(L.layout, L.full_format, s_item, g, t, cs_j, cs_t0, qa, c);
+  }
+  score_codes<D, Bf16, Bits, Rotate>(L.layout, L.ledger_format, s_item, g, t, cs_j, cs_t0, qa, c);
+}
+
 /// Key metadata of a record whose keys are stored after RoPE, rearranged once per window for
 /// score_record: for chunk s and thread column t, one 16-byte entry of fp16 pairs
 ///   {4 scale, zero} of channels (16s + t, 16s + t + 8), then of channels (16s + t + 4, 16s + t + 12).
@@ -599,8 +650,8 @@ template <int D>
 __device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint8_t* s_item, int lane_id) {
   if (lane_id >= D / 4) return;
   const int s = lane_id >> 2, t = lane_id & 3;
-  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + L.key_scale_offset);
-  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + L.key_zero_offset);
+  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + L.ledger_format.staged_key_scale);
+  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + L.ledger_format.staged_key_zero);
   auto pair = [&](int c0, int c1, std::uint32_t& scale4, std::uint32_t& zeros) {
     scale4 = warp::pack_half2(4.0f * warp::bf16_bits_to_float(scale[c0]), 4.0f * warp::bf16_bits_to_float(scale[c1]));
     zeros = warp::pack_half2(warp::bf16_bits_to_float(zero[c0]), warp::bf16_bits_to_float(zero[c1]));
@@ -681,49 +732,59 @@ __device__ __forceinline__ void query_for_window(const float (&qr)[D / 16][4], c
   }
 }
 
+/// A fragments of V^T of a record's tokens 2t and 2t+1 (codes of Bits in format f) into
+/// a[i][2h], a[i][2h+1]: channels 16i + g and 16i + g + 8, as exact integers.
+template <int D, bool Bf16, int Bits>
+__device__ __forceinline__ void record_value_fragments(const record_format& f, const std::uint8_t* s_item, int g, int t, int h,
+                                                       std::uint32_t (&a)[D / 16][4]) {
+  std::uint32_t w0[code_words<D, Bits>], w1[code_words<D, Bits>];
+  load_code_words<D, Bits>(s_item + f.staged_value_codes + (2 * t) * (D * Bits / 8), w0);
+  load_code_words<D, Bits>(s_item + f.staged_value_codes + (2 * t + 1) * (D * Bits / 8), w1);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+    if constexpr (Bits == 2) {
+      // Word i holds channels 16i..16i+15: after the shift, channel g sits at bits 0-1 and
+      // channel g+8 at bits 16-17 of each token's word.
+      const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
+      a[i][2 * h] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x5410));
+      a[i][2 * h + 1] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x7632));
+    } else {
+      // Words 2i and 2i+1 hold channels 16i..16i+7 and 16i+8..16i+15: after the shift, channel
+      // g (g+8) sits at bits 0-3 of word 2i (2i+1).
+      const std::uint32_t x0 = w0[2 * i] >> (4 * g), x1 = w1[2 * i] >> (4 * g);
+      const std::uint32_t y0 = w0[2 * i + 1] >> (4 * g), y1 = w1[2 * i + 1] >> (4 * g);
+      a[i][2 * h] = warp::codes_to_16<Bf16, 4>(__byte_perm(x0, x1, 0x5410));
+      a[i][2 * h + 1] = warp::codes_to_16<Bf16, 4>(__byte_perm(y0, y1, 0x5410));
+    }
+  }
+}
+
 /// A fragments of V^T for an item pair: a[i][0] = (channel 16i + g, tokens 2t, 2t+1 of item a),
 /// a[i][1] = (channel 16i + g + 8, same tokens), a[i][2], a[i][3] the same of item b. The four
 /// registers of a[i] are one tensor-core operand; loading them together (one ldmatrix.x4 over both
 /// items when both hold token rows) spares the register moves that assembling it would take.
-template <int D, bool Bf16, int Bits>
+template <int D, bool Bf16, int Bits, int FullBits>
 __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind_a, const std::uint8_t* s_a, int kind_b,
                                                 const std::uint8_t* s_b, int g, int t, int lane_id,
                                                 std::uint32_t (&a)[D / 16][4]) {
   const int half_col = ((lane_id >> 3) & 1) * 16, row = (8 + (lane_id & 7)) * row_stride<D>;
-  if (kind_a != 2 && kind_b != 2) {
+  if (!is_record<FullBits>(kind_a) && !is_record<FullBits>(kind_b)) {
     const std::uint8_t* rowp = ((lane_id & 16) ? s_b : s_a) + row + half_col;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x4_trans(rowp + i * 32, a[i][0], a[i][1], a[i][2], a[i][3]);
     return;
   }
   auto one = [&](int kind, const std::uint8_t* s_item, int h) {
-    if (kind != 2) {
+    if (!is_record<FullBits>(kind)) {
       const std::uint8_t* rowp = s_item + row + half_col;
 #pragma unroll
       for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x2_trans(rowp + i * 32, a[i][2 * h], a[i][2 * h + 1]);
       return;
     }
-    // Codes of tokens 2t and 2t+1.
-    std::uint32_t w0[code_words<D, Bits>], w1[code_words<D, Bits>];
-    load_code_words<D, Bits>(s_item + L.value_codes_offset + (2 * t) * (D * Bits / 8), w0);
-    load_code_words<D, Bits>(s_item + L.value_codes_offset + (2 * t + 1) * (D * Bits / 8), w1);
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      if constexpr (Bits == 2) {
-        // Word i holds channels 16i..16i+15: after the shift, channel g sits at bits 0-1 and
-        // channel g+8 at bits 16-17 of each token's word.
-        const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
-        a[i][2 * h] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x5410));
-        a[i][2 * h + 1] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x7632));
-      } else {
-        // Words 2i and 2i+1 hold channels 16i..16i+7 and 16i+8..16i+15: after the shift, channel
-        // g (g+8) sits at bits 0-3 of word 2i (2i+1).
-        const std::uint32_t x0 = w0[2 * i] >> (4 * g), x1 = w1[2 * i] >> (4 * g);
-        const std::uint32_t y0 = w0[2 * i + 1] >> (4 * g), y1 = w1[2 * i + 1] >> (4 * g);
-        a[i][2 * h] = warp::codes_to_16<Bf16, 4>(__byte_perm(x0, x1, 0x5410));
-        a[i][2 * h + 1] = warp::codes_to_16<Bf16, 4>(__byte_perm(y0, y1, 0x5410));
-      }
+    if constexpr (FullBits != 0) {
+      if (kind == 4) return record_value_fragments<D, Bf16, FullBits>(L.full_format, s_item, g, t, h, a);
     }
+    record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_item, g, t, h, a);
   };
   if (kind_a == 2 && kind_b == 2) {  // branch-free, so that the two items interleave
     one(2, s_a, 0);
@@ -734,12 +795,14 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
   }
 }
 
-/// Value scale and zero of tokens (2t, 2t+1) of a quantized item.
+/// Value scale and zero of tokens (2t, 2t+1) of an item: a record's, or (1, 0) for token rows.
+template <int FullBits>
 __device__ __forceinline__ void value_meta(const decode_layout& L, int kind, const std::uint8_t* s_item, int t,
                                            float2& scale, float2& zero) {
-  if (kind == 2) {
-    const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_scale_offset + 4 * t);
-    const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + L.value_zero_offset + 4 * t);
+  if (is_record<FullBits>(kind)) {
+    const record_format& f = format_of<FullBits>(L, kind);
+    const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_scale + 4 * t);
+    const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_zero + 4 * t);
     scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
     zero = make_float2(__uint_as_float(z << 16), __uint_as_float(z & 0xffff0000u));
   } else {
@@ -799,16 +862,22 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
   return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
 }
 
-template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, bool ValueWeighted = false>
+/// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
+/// quantized (full_tier::quantized_as), 0 when they hold token rows.
+template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits = 0,
+          bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr bool RotateRecords = Records == record_rotation::each_key;
   constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
-  // Records whose keys are not rotated per key take the exact fp16 path (score_record) when their
-  // codes have 2 bits; 4-bit codes (5 significant bits in 1 + code/16, 13 in the product with a
-  // bf16 scale) would not be exact in fp16 and take score_item's fp32 path.
+  // Ledger records whose keys are not rotated per key take the exact fp16 path (score_record) when
+  // their codes have 2 bits; 4-bit codes (5 significant bits in 1 + code/16, 13 in the product
+  // with a bf16 scale) would not be exact in fp16 and take score_item's fp32 path, as do the
+  // records of a quantized top tier.
   constexpr bool Fp16Records = !RotateRecords && Bits == 2;
   static_assert(Bits == 2 || !QueryPerWindow, "decode_attention: window-relative keys need 2-bit codes");
+  static_assert(FullBits == 0 || (W >= 8 && !QueryPerWindow),
+                "decode_attention: a quantized top tier needs windows of at least 8 tokens and keys before or after RoPE");
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
   constexpr bool Bf16 = E == element_type::bf16;
   const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -837,10 +906,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
   {
-    const head_sections at = sections_of<2>(L, region, h);
+    const head_sections at = sections_of<2, FullBits>(L, region, h);
     const window_entry* entries = A.entries + static_cast<std::size_t>(list) * L.entries_per_lane;
     for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x)
-      items_s[li] = item_ref::of(describe_item<W>(L, at, region, lane, entries, n_entries, first_item + li,
+      items_s[li] = item_ref::of(describe_item<W, FullBits>(L, at, region, lane, entries, n_entries, first_item + li,
                                                   first_item + chunk_items, rows_s[W < 8 ? li : 0]),
                                  region);
   }
@@ -898,7 +967,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        copy_item<D, W, Bits>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
+        copy_item<D, W, FullBits>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
                         lane_id);
     }
     warp::cp_async_commit();
@@ -919,7 +988,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
     float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
     float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
-    if ((RotateRecords || QueryPerWindow) && (kind_a == 2 || kind_b == 2)) {
+    const bool record_a = is_record<FullBits>(kind_a), record_b = is_record<FullBits>(kind_b);
+    if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
       // Keys rotated one by one: from the item's first token; the query rotated per window: by
       // the window's first token, the frame of the whole record.
       const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
@@ -927,8 +997,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       for (int p = lane_id; p < D / 2; p += 32) {
         const double f = A.inv_freq[p];
         float c, s;
-        if (kind_a == 2) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
-        if (kind_b == 2) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
+        if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
+        if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
       }
     }
     warp::cp_async_wait<stages - 1>();
@@ -966,7 +1036,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
             if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
             score_record<D>(s_item, g, t, qf, c);
           } else {
-            score_item<D, Bf16, Bits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+            score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
           }
         };
         score(kind_a, s_a, cs_a, ca);
@@ -978,8 +1048,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
     }
     float2 vs_a, vz_a, vs_b, vz_b;
-    value_meta(L, kind_a, s_a, t, vs_a, vz_a);
-    value_meta(L, kind_b, s_b, t, vs_b, vz_b);
+    value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
+    value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
 
     // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
     float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
@@ -1045,7 +1115,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
     std::uint32_t v[D / 16][4];
-    value_fragments<D, Bf16, Bits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
+    value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
@@ -1195,13 +1265,14 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
-template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W, int Bits>
+template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W, int Bits, int FullBits = 0>
 void decode_attention(const decode_layout& L, const decode_arguments& args, int max_items, cudaStream_t stream) {
   static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16 || W == 32,
                 "decode_attention: the window must be 1, 2, 4, 8, 16 or 32 tokens");
   qevict::detail::require(L.group >= 1 && L.group <= 8, "decode_attention: the GQA group (q_heads / kv_heads) must be 1..8");
   qevict::detail::require(L.window == W, "decode_attention: the layout's window differs from the kernel's");
-  qevict::detail::require(L.code_bits == Bits, "decode_attention: the layout's code width differs from the kernel's");
+  qevict::detail::require(L.ledger_format.bits == Bits && L.full_format.bits == FullBits,
+                          "decode_attention: the layout's code widths differ from the kernel's");
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
   qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
                   "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
@@ -1222,12 +1293,13 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
-  qevict::detail::require(L.staged_record_bytes <= static_cast<std::size_t>(detail::window_cs_offset<D>),
+  qevict::detail::require(std::max(L.ledger_format.staged_bytes, L.full_format.staged_bytes) <=
+                              static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
-  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, value_weighted>;
+  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted>;
   static const bool smem_set = [] {
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     return true;
@@ -1250,20 +1322,20 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
 }
 
-/// Runtime dispatch over head_dim, element type and key frame; the window size W and the code width
-/// Bits are the cache's (compile time).
-template <bool EmitMass, class Scorer, int W = 8, int Bits = 2>
+/// Runtime dispatch over head_dim, element type and key frame; the window size W and the code widths
+/// (Bits: the ledger's; FullBits: a quantized top tier's, 0 for token rows) are the cache's.
+template <bool EmitMass, class Scorer, int W = 8, int Bits = 2, int FullBits = 0>
 void decode_attention(element_type e, const decode_layout& L, const decode_arguments& args, int max_items,
                       cudaStream_t stream) {
   qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
                   "decode_attention: the cache element type must be bf16 or f16");
   const auto with_frame = [&]<int D, element_type E>() {
     switch (L.records) {
-      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W, Bits>(L, args, max_items, stream); break;
-      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer, W, Bits>(L, args, max_items, stream); break;
+      case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W, Bits, FullBits>(L, args, max_items, stream); break;
+      case record_rotation::none: decode_attention<D, E, EmitMass, record_rotation::none, Scorer, W, Bits, FullBits>(L, args, max_items, stream); break;
       case record_rotation::query_per_window:
-        if constexpr (Bits == 2) decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer, W, Bits>(L, args, max_items, stream);
-        else throw error("decode_attention: window-relative keys need 2-bit codes");
+        if constexpr (Bits == 2 && FullBits == 0) decode_attention<D, E, EmitMass, record_rotation::query_per_window, Scorer, W, Bits>(L, args, max_items, stream);
+        else throw error("decode_attention: window-relative keys need 2-bit codes and a top tier of token rows");
         break;
     }
   };

@@ -11,7 +11,8 @@
 //                         only the newly aged entries, for the free slots.
 //   quantize_kernel       first demotions into the ledger (from a Full slot, the recent ring or
 //                         the prefill's buffers): unrotate, quantize with the policy's own code.
-//   store_full_kernel     promotions (dequantize + RoPE) and newly aged windows into Full slots.
+//   store_full_kernel     promotions (dequantize + RoPE) and newly aged windows into Full slots
+//                         (token rows, or records of a quantized top tier: quantize_head again).
 //
 // Slots. The host backend keeps each lane's free slots on two stacks and, in rank order, frees
 // (evictions, then demotions) before it takes (demotions needing a record, new quantized windows;
@@ -113,12 +114,12 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int U = L.units;
 
   // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries (order is restored by the sort); only
-  // the newly aged under a frozen selection. Entry e belongs to window e / U.
+  // the newly aged under a frozen selection. Entry e belongs to window L.window_of_entry(e).
   if (threadIdx.x == 0) n_candidates = 0;
   __syncthreads();
   for (int e = (frozen ? aged_before : 0) * U + threadIdx.x; e < aged_after * U; e += blockDim.x) {
     const window_record r = table[e];
-    if (tier_of(r, e / U < aged_before) == tier::evicted) continue;
+    if (tier_of(r, L.window_of_entry(e) < aged_before) == tier::evicted) continue;
     const int at = atomicAdd(&n_candidates, 1);
     keys[at] = (static_cast<unsigned long long>(descending_score_key(r.score)) << 32) | static_cast<std::uint32_t>(e);
   }
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     if (r >= n) return;
     const int e = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
     const window_record rec = table[e];
-    const tier prev = tier_of(rec, e / U < aged_before);
+    const tier prev = tier_of(rec, L.window_of_entry(e) < aged_before);
     const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
     f[0] = next == tier::evicted && rec.full_slot >= 0;
     f[4] = next == tier::evicted && rec.ledger_slot >= 0;
@@ -288,31 +289,110 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   }
 }
 
-/// Loads post-RoPE key and value element (token j of window w, KV head h, channel c) from a source.
-/// A Full slot holds the heads of one unit: KV head h is its head L.head_in_unit(h).
+/// Dequantized key / value element of a record head, as Q::dequantize_* computes it (product and
+/// sum rounded separately, like the host's scalar code).
+template <class Q>
+__device__ __forceinline__ float record_key(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
+  const float s = Q::meta_type::decode(Q::load_meta(rec + R.key_scale_offset(), c));
+  const float z = Q::meta_type::decode(Q::load_meta(rec + R.key_zero_offset(), c));
+  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec, static_cast<std::size_t>(t) * R.head_dim + c))));
+}
+template <class Q>
+__device__ __forceinline__ float record_value(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
+  const float s = Q::meta_type::decode(Q::load_meta(rec + R.value_scale_offset(), t));
+  const float z = Q::meta_type::decode(Q::load_meta(rec + R.value_zero_offset(), t));
+  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
+}
+
+/// Reads the tokens of window w (W tokens) as attention sees them — keys after RoPE — from where a
+/// migration task takes them: the recent ring (kind 0), a Full slot (kind 1: token rows, or a
+/// record of FullQ when the top tier is quantized), the prefill's rows (kind 2) or a ledger record
+/// of LedgerQ (kind 3). A record is dequantized and its keys are rotated by their key frame's read
+/// rotation when Rotates, as the host backend's dequantize_rotated does. LedgerQ and FullQ name the
+/// record sources a kernel can meet (void: none of that kind), so that the per-element reads of a
+/// kernel that meets only token rows carry no record branch. A Full slot and a record hold the
+/// heads of one unit: KV head h is head L.head_in_unit(h) there.
+template <int D, int W, class LedgerQ, class FullQ, bool Rotates>
 struct token_reader {
   const cache_params* P;
   const std::byte* region;
   route_source src;
   int kind, slot;
-  __device__ float key(int w, int j, int h, int c) const { return load(false, w, j, h, c); }
-  __device__ float value(int w, int j, int h, int c) const { return load(true, w, j, h, c); }
+  long long first_position;  ///< of the lane's first token
+  const double* inv_freq;
+
+  /// Channels a and b (rotary pair i) of token j's key, KV head h.
+  __device__ __forceinline__ void key_pair(int w, int j, int h, int i, int a, int b, float& x0, float& x1) const {
+    if constexpr (any_records) {
+      if (const std::uint8_t* rec = record(h)) {
+        x0 = from_record(false, rec, j, a);
+        x1 = from_record(false, rec, j, b);
+        if constexpr (Rotates) {
+          const long long t0 = first_position + P->L.sinks + static_cast<long long>(w) * W;
+          // Both tiers' quantizers share one key frame (cuda_support::full_tier).
+          rotate_pair(x0, x1, frame::read_rotation(t0, t0 + j), inv_freq[i], +1);
+        }
+        return;
+      }
+    }
+    x0 = load(false, w, j, h, a);
+    x1 = load(false, w, j, h, b);
+  }
+  /// Channel c of token j's key when no record needs rotating (not Rotates).
+  __device__ __forceinline__ float key(int w, int j, int h, int c) const {
+    static_assert(!Rotates, "token_reader::key: rotated records are read in pairs (key_pair)");
+    if constexpr (any_records) {
+      if (const std::uint8_t* rec = record(h)) return from_record(false, rec, j, c);
+    }
+    return load(false, w, j, h, c);
+  }
+  __device__ __forceinline__ float value(int w, int j, int h, int c) const {
+    if constexpr (any_records) {
+      if (const std::uint8_t* rec = record(h)) return from_record(true, rec, j, c);
+    }
+    return load(true, w, j, h, c);
+  }
 
  private:
-  /// The element of the keys (value = false) or the values section: the recent ring (kind 0), a
-  /// Full slot (kind 1) or the prefill's rows.
-  __device__ float load(bool value, int w, int j, int h, int c) const {
+  static constexpr bool ledger_records = !std::is_void_v<LedgerQ>, full_records = !std::is_void_v<FullQ>;
+  static constexpr bool any_records = ledger_records || full_records;
+  using frame = typename std::conditional_t<ledger_records, LedgerQ, std::conditional_t<full_records, FullQ, quantizers::asymmetric<2>>>::key_frame;
+
+  /// KV head h's record in the source, or nullptr for token rows.
+  __device__ __forceinline__ const std::uint8_t* record(int h) const {
     const decode_layout& L = P->L;
-    const int D = L.head_dim;
+    if (ledger_records && kind == 3)
+      return reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(slot) * L.record_bytes) +
+             static_cast<std::size_t>(L.head_in_unit(h)) * L.ledger_format.head_bytes;
+    if (full_records && kind == 1)
+      return reinterpret_cast<const std::uint8_t*>(region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes) +
+             static_cast<std::size_t>(L.head_in_unit(h)) * L.full_format.head_bytes;
+    return nullptr;
+  }
+  /// Element (token j, channel c) of a record: LedgerQ's in the ledger, FullQ's in a Full slot.
+  template <class Q>
+  __device__ __forceinline__ static float element_of(bool value, const std::uint8_t* rec, int j, int c) {
+    const quantizers::record_layout R = Q::layout(W, 1, D);
+    return value ? record_value<Q>(R, rec, j, c) : record_key<Q>(R, rec, j, c);
+  }
+  __device__ __forceinline__ float from_record(bool value, const std::uint8_t* rec, int j, int c) const {
+    if constexpr (ledger_records && full_records) return kind == 1 ? element_of<FullQ>(value, rec, j, c) : element_of<LedgerQ>(value, rec, j, c);
+    else if constexpr (full_records) return element_of<FullQ>(value, rec, j, c);
+    else return element_of<LedgerQ>(value, rec, j, c);
+  }
+  /// The element of the keys (value = false) or the values section of token rows: the recent ring
+  /// (kind 0), a Full slot (kind 1) or the prefill's rows.
+  __device__ __forceinline__ float load(bool value, int w, int j, int h, int c) const {
+    const decode_layout& L = P->L;
     if (kind == 0 || kind == 1) {
-      const int capacity = kind == 0 ? L.recent_capacity : L.window;
-      const int s = kind == 0 ? (w * L.window + j) % L.recent_capacity : j;
+      const int capacity = kind == 0 ? L.recent_capacity : W;
+      const int s = kind == 0 ? (w * W + j) % L.recent_capacity : j;
       const int head = kind == 0 ? h : L.head_in_unit(h);
       const std::byte* base = kind == 0 ? region + L.recent_offset
                                         : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
       return numeric::load(P->element, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
     }
-    const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * L.window + j;
+    const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * W + j;
     return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
   }
 };
@@ -333,136 +413,133 @@ struct migration_item {
     m.task = tasks[task_head / hu];
     m.keys = (item & 1) == 0;
     m.in_unit = task_head % hu;
-    m.h = m.task.entry % L.units * hu + m.in_unit;
-    m.w = m.task.entry / L.units;
+    m.h = L.unit_of_entry(m.task.entry) * hu + m.in_unit;
+    m.w = L.window_of_entry(m.task.entry);
     return m;
   }
 };
 
-/// Quantizes window tasks (windows of W tokens, the KV heads of one unit) into ledger records: one
-/// warp per (task, KV head, keys or values).
-/// Worker k (k < D/4) owns channels 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit
-/// codes) per token, so no two lanes share a byte.
-template <int D, int W, class Q, bool Rotates>
-__global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
-                                                       const route_source src) {
-  static_assert(Q::bits == 2 || Q::bits == 4, "quantize_kernel: 2- or 4-bit codes");
+/// Quantizes one KV head's keys (keys = true) or values of window w, read through `rd`, into the
+/// record head `rec` of quantizer Q, with one warp: the policy's own choose_scale_zero / code_of,
+/// keys rotated back into Q's key frame first (Rotates). Worker k (k < D/4) owns channels
+/// 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit codes) per token, so no two lanes
+/// share a byte.
+template <int D, int W, class Q, bool Rotates, class Reader>
+__device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* rec, int w, int h, bool keys, int lane_id, long long window_start,
+                              rope_layout layout, const double* inv_freq) {
+  static_assert(Q::bits == 2 || Q::bits == 4, "quantize_head: 2- or 4-bit codes");
   using code_unit = std::conditional_t<Q::bits == 2, std::uint8_t, std::uint16_t>;  // a worker's 4 codes
   constexpr int token_bytes = D * Q::bits / 8;
-  if (failed(S.error)) return;
-  const decode_layout& L = P.L;
-  const int l = list.lane[blockIdx.x];
-  const int n_tasks = S.task_counts[2 * blockIdx.x];
-  const std::byte* region_c = S.arena + L.region_offset(l);
-  std::byte* region = S.arena + L.region_offset(l);
-  const long long first = S.lanes[l].first_position;
-  const int lane_id = threadIdx.x & 31;
-  const int warps = blockDim.x / 32 * gridDim.y;
   const int worker = lane_id;
   const bool active = worker < D / 4;
   const quantizers::record_layout R = Q::layout(W, 1, D);
-  const migration_task* tasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
-    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
-    const token_reader rd{&P, region_c, src, task.source, task.src_slot};
-    std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
-                                                        static_cast<std::size_t>(in_unit) * L.record_head_bytes);
-    if (keys && active) {
-      // Keys in the record's key frame, one group per channel across the window's tokens.
-      float kx[W][4];
+  if (keys && active) {
+    // Keys in the record's key frame, one group per channel across the window's tokens.
+    float kx[W][4];
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        // The record's frame: rotated back by what attention will rotate the key by.
-        const long long t0 = first + L.sinks + static_cast<long long>(w) * W;
-        const long long pos = Q::key_frame::read_rotation(t0, t0 + j);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const int c = 4 * worker + m;
-          if constexpr (Rotates) {
-            const int i = L.layout == rope_layout::interleaved ? c / 2 : c % (D / 2);
-            int a, b;
-            pair_members(L.layout, D, i, a, b);
-            float x0 = rd.key(w, j, h, a), x1 = rd.key(w, j, h, b);
-            rotate_pair(x0, x1, pos, S.inv_freq[i], -1);
-            kx[j][m] = c == a ? x0 : x1;
-          } else {
-            kx[j][m] = rd.key(w, j, h, c);
-          }
-        }
-      }
-      code_unit bytes[W] = {};
+    for (int j = 0; j < W; ++j) {
+      // The record's frame: rotated back by what attention will rotate the key by.
+      const long long pos = Q::key_frame::read_rotation(window_start, window_start + j);
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int c = 4 * worker + m;
-        float lo = kx[0][m], hi = lo;
-#pragma unroll
-        for (int j = 1; j < W; ++j) {
-          lo = kx[j][m] < lo ? kx[j][m] : lo;
-          hi = kx[j][m] > hi ? kx[j][m] : hi;
+        if constexpr (Rotates) {
+          const int i = layout == rope_layout::interleaved ? c / 2 : c % (D / 2);
+          int a, b;
+          pair_members(layout, D, i, a, b);
+          float x0, x1;
+          rd.key_pair(w, j, h, i, a, b, x0, x1);
+          rotate_pair(x0, x1, pos, inv_freq[i], -1);
+          kx[j][m] = c == a ? x0 : x1;
+        } else {
+          kx[j][m] = rd.key(w, j, h, c);
         }
-        typename Q::meta_storage s, z;
-        Q::choose_scale_zero(lo, hi, s, z);
-        Q::store_meta(rec + R.key_scale_offset(), c, s);
-        Q::store_meta(rec + R.key_zero_offset(), c, z);
-        const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
-#pragma unroll
-        for (int j = 0; j < W; ++j) bytes[j] |= static_cast<code_unit>(Q::code_of(kx[j][m], sf, zf) << (Q::bits * m));
       }
-#pragma unroll
-      for (int j = 0; j < W; ++j) *reinterpret_cast<code_unit*>(rec + j * token_bytes + worker * sizeof(code_unit)) = bytes[j];
     }
-    // Values: one group per token across channels.
-    for (int j = 0; j < W && !keys; ++j) {
-      float vx[4];
-      float lo = INFINITY, hi = -INFINITY;
-      if (active) {
+    code_unit bytes[W] = {};
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          vx[m] = rd.value(w, j, h, 4 * worker + m);
-          lo = fminf(lo, vx[m]);
-          hi = fmaxf(hi, vx[m]);
-        }
-      }
+    for (int m = 0; m < 4; ++m) {
+      const int c = 4 * worker + m;
+      float lo = kx[0][m], hi = lo;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+      for (int j = 1; j < W; ++j) {
+        lo = kx[j][m] < lo ? kx[j][m] : lo;
+        hi = kx[j][m] > hi ? kx[j][m] : hi;
       }
       typename Q::meta_storage s, z;
       Q::choose_scale_zero(lo, hi, s, z);
-      if (lane_id == 0) {
-        Q::store_meta(rec + R.value_scale_offset(), j, s);
-        Q::store_meta(rec + R.value_zero_offset(), j, z);
-      }
-      if (active) {
-        const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
-        code_unit unit = 0;
+      Q::store_meta(rec + R.key_scale_offset(), c, s);
+      Q::store_meta(rec + R.key_zero_offset(), c, z);
+      const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
 #pragma unroll
-        for (int m = 0; m < 4; ++m) unit |= static_cast<code_unit>(Q::code_of(vx[m], sf, zf) << (Q::bits * m));
-        *reinterpret_cast<code_unit*>(rec + R.value_codes_offset() + j * token_bytes + worker * sizeof(code_unit)) = unit;
+      for (int j = 0; j < W; ++j) bytes[j] |= static_cast<code_unit>(Q::code_of(kx[j][m], sf, zf) << (Q::bits * m));
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) *reinterpret_cast<code_unit*>(rec + j * token_bytes + worker * sizeof(code_unit)) = bytes[j];
+  }
+  // Values: one group per token across channels.
+  for (int j = 0; j < W && !keys; ++j) {
+    float vx[4];
+    float lo = INFINITY, hi = -INFINITY;
+    if (active) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        vx[m] = rd.value(w, j, h, 4 * worker + m);
+        lo = fminf(lo, vx[m]);
+        hi = fmaxf(hi, vx[m]);
       }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    typename Q::meta_storage s, z;
+    Q::choose_scale_zero(lo, hi, s, z);
+    if (lane_id == 0) {
+      Q::store_meta(rec + R.value_scale_offset(), j, s);
+      Q::store_meta(rec + R.value_zero_offset(), j, z);
+    }
+    if (active) {
+      const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
+      code_unit unit = 0;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) unit |= static_cast<code_unit>(Q::code_of(vx[m], sf, zf) << (Q::bits * m));
+      *reinterpret_cast<code_unit*>(rec + R.value_codes_offset() + j * token_bytes + worker * sizeof(code_unit)) = unit;
     }
   }
 }
 
-/// Dequantized pre-RoPE key / value element of a record head, as Q::dequantize_* computes it
-/// (product and sum rounded separately, like the host's scalar code).
-template <class Q>
-__device__ __forceinline__ float record_key(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
-  const float s = Q::meta_type::decode(Q::load_meta(rec + R.key_scale_offset(), c));
-  const float z = Q::meta_type::decode(Q::load_meta(rec + R.key_zero_offset(), c));
-  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec, static_cast<std::size_t>(t) * R.head_dim + c))));
-}
-template <class Q>
-__device__ __forceinline__ float record_value(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
-  const float s = Q::meta_type::decode(Q::load_meta(rec + R.value_scale_offset(), t));
-  const float z = Q::meta_type::decode(Q::load_meta(rec + R.value_zero_offset(), t));
-  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
+/// Quantizes window tasks (windows of W tokens, the KV heads of one unit) into ledger records: one
+/// warp per (task, KV head, keys or values). FullQ: the top tier's quantizer (void: token rows),
+/// for demotions from a Full slot.
+template <int D, int W, class Q, class FullQ, bool Rotates>
+__global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+                                                       const route_source src) {
+  if (failed(S.error)) return;
+  const decode_layout& L = P.L;
+  const int l = list.lane[blockIdx.x];
+  const int n_tasks = S.task_counts[2 * blockIdx.x];
+  std::byte* region = S.arena + L.region_offset(l);
+  const long long first = S.lanes[l].first_position;
+  const int warps = blockDim.x / 32 * gridDim.y;
+  const migration_task* tasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
+    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
+    // Sources: the recent ring, the prefill's rows or a Full slot (never a ledger record).
+    const token_reader<D, W, void, FullQ, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
+    std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
+                                                        static_cast<std::size_t>(in_unit) * L.ledger_format.head_bytes);
+    quantize_head<D, W, Q, Rotates>(rd, rec, w, h, keys, threadIdx.x & 31, first + L.sinks + static_cast<long long>(w) * W,
+                                    L.layout, S.inv_freq);
+  }
 }
 
-/// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions (dequantize, RoPE at
-/// the stored positions) and newly aged windows. One warp per (task, KV head, keys or values).
-template <int D, int W, class Q, bool Rotates>
+/// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions from the ledger and
+/// newly aged windows, one warp per (task, KV head, keys or values). Token rows take the keys after
+/// RoPE (a promoted record dequantized and rotated to its positions); a quantized top tier
+/// (FullQ not void) re-encodes them as FullQ records, as the host backend's store_full does.
+template <int D, int W, class Q, class FullQ, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
   if (failed(S.error)) return;
@@ -473,37 +550,28 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
   const long long first = S.lanes[l].first_position;
   const int lane_id = threadIdx.x & 31;
   const int warps = blockDim.x / 32 * gridDim.y;
-  const quantizers::record_layout R = Q::layout(W, 1, D);
   const migration_task* tasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
   for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
     const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
-    void* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
-    if (task.source == 3) {
-      const std::uint8_t* rec = reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset +
-                                                                      static_cast<std::size_t>(task.src_slot) * L.record_bytes +
-                                                                      static_cast<std::size_t>(in_unit) * L.record_head_bytes);
+    std::byte* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
+    // Sources: the recent ring, the prefill's rows or a ledger record (never a Full slot).
+    const token_reader<D, W, Q, void, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
+    if constexpr (!std::is_void_v<FullQ>) {
+      quantize_head<D, W, FullQ, Rotates>(rd, reinterpret_cast<std::uint8_t*>(slot) + static_cast<std::size_t>(in_unit) * L.full_format.head_bytes,
+                                          w, h, keys, lane_id, first + L.sinks + static_cast<long long>(w) * W, L.layout, S.inv_freq);
+    } else {
       for (int e = lane_id; keys && e < W * (D / 2); e += 32) {
         const int j = e / (D / 2), i = e % (D / 2);
         int a, b;
         pair_members(L.layout, D, i, a, b);
-        float x0 = record_key<Q>(R, rec, j, a), x1 = record_key<Q>(R, rec, j, b);
-        if constexpr (Rotates) {
-          const long long t0 = first + L.sinks + static_cast<long long>(w) * W;
-          rotate_pair(x0, x1, Q::key_frame::read_rotation(t0, t0 + j), S.inv_freq[i], +1);
-        }
+        float x0, x1;
+        rd.key_pair(w, j, h, i, a, b, x0, x1);
         numeric::store(P.element, slot, key_index(D, W, in_unit, j, a), x0);
         numeric::store(P.element, slot, key_index(D, W, in_unit, j, b), x1);
       }
       for (int e = lane_id; !keys && e < W * D; e += 32) {
         const int j = e / D, c = e % D;
-        numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), record_value<Q>(R, rec, j, c));
-      }
-    } else {
-      const token_reader rd{&P, region, src, task.source, 0};
-      for (int e = lane_id; e < W * D; e += 32) {
-        const int j = e / D, c = e % D;
-        if (keys) numeric::store(P.element, slot, key_index(D, W, in_unit, j, c), rd.key(w, j, h, c));
-        else numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
+        numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
       }
     }
   }

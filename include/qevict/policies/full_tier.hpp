@@ -9,6 +9,7 @@ namespace qevict::full_tier {
 struct full_precision {
   static constexpr const char* name = "full_precision";
   static constexpr bool quantized = false;
+  using quantizer = void;  ///< no records: token rows
 };
 
 /// Top-tier windows are stored as `Quantizer` records (keys pre-RoPE, like the ledger). A window

@@ -85,17 +85,21 @@ class cuda_cache {
   using support = cuda_support<Config>;  // the conditions, written once in supports.hpp
   static_assert(support::short_windows,
                 "qevict::backend::cuda: unsupported window policy for this allocator: windows shorter than 8 tokens need "
-                "a two-tier allocator (allocators::two_tier: no quantized records) on the CUDA backend");
+                "a two-tier allocator (allocators::two_tier: no quantized records) and a top tier of token rows on the CUDA backend");
   static_assert(support::sinks, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(support::quantizer,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<Bits, meta::bf16, KeyFrame> with "
                 "Bits = 2 (any key frame) or Bits = 4 (key_frame::before_rope or after_rope)");
   static_assert(support::full_tier,
-                "qevict::backend::cuda: unsupported full-tier policy: only full_tier::full_precision (a quantized top tier is host-only)");
+                "qevict::backend::cuda: unsupported full-tier policy: a quantized top tier (full_tier::quantized_as<Q>) needs Q "
+                "to be asymmetric<2 or 4, meta::bf16> in the same key frame as the ledger's quantizer, before or after RoPE");
   static_assert(support::scorer,
                 "qevict::backend::cuda: unsupported scorer for this allocator: value-weighted attention needs an allocator "
-                "without quantized records (e.g. allocators::two_tier) on the CUDA backend");
+                "without quantized records (e.g. allocators::two_tier) and a top tier of token rows on the CUDA backend");
   static constexpr bool rotates = rope::rotates;
+  /// The top tier's record quantizer, void when Full slots hold token rows.
+  using full_quantizer = typename support::full_quantizer;
+  static constexpr int full_bits = support::full_bits;
   /// Whether a record's keys are rotated by the key frame's read rotation (and back when quantized).
   static constexpr bool records_rotate = kernels::decode_layout::rotation_for<Config>() != kernels::record_rotation::none;
 
@@ -356,7 +360,7 @@ class cuda_cache {
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(P.L, set_.items_per_chunk);
-    kernels::decode_attention<true, scorer, W::size, quantizer::bits>(geo_.element, P.L, a, max_items, set_.stream);
+    kernels::decode_attention<true, scorer, W::size, quantizer::bits, full_bits>(geo_.element, P.L, a, max_items, set_.stream);
     for (int b = 0; b < list.n; ++b) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
       ++m.steps;
@@ -449,23 +453,38 @@ class cuda_cache {
       v[(static_cast<std::size_t>(j) * hkv + h) * d + c] = value;
     };
     const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
-    std::vector<std::uint8_t> bytes(p.quantized_window_bytes());
+    std::vector<std::uint8_t> bytes;
     std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
+    // A record of quantizer Q at `offset`: dequantized, keys rotated by the key frame's read
+    // rotation (as the host backend's dequantize_rotated).
+    const auto from_record = [&]<class Q>(std::size_t offset, const quantizers::record_layout& layout, int u) {
+      bytes.resize(layout.window_bytes());
+      QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + offset, bytes.size(), cudaMemcpyDeviceToHost));
+      const long long t0 = window_first_position(s, w);
+      for (int j = 0; j < Wn; ++j)
+        for (int hl = 0; hl < hu; ++hl) {
+          Q::dequantize_key(layout, bytes.data(), hl, j, kd.data());
+          Q::dequantize_value(layout, bytes.data(), hl, j, vd.data());
+          if constexpr (!Q::key_frame::rotated)
+            rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), Q::key_frame::read_rotation(t0, t0 + j));
+          for (int c = 0; c < d; ++c) put(j, u * hu + hl, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
+        }
+    };
     for (int u = 0; u < U; ++u) {
       const window_record& rec = table[static_cast<std::size_t>(w) * U + u];
       const tier t = tier_of(rec, w < m.aged);
       detail::require(t != tier::evicted, "read_window: window " + std::to_string(w) + " is evicted");
       if (t == tier::quantized) {
-        QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + p.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * bytes.size(),
-                                     bytes.size(), cudaMemcpyDeviceToHost));
-        for (int j = 0; j < Wn; ++j)
-          for (int hl = 0; hl < hu; ++hl) {
-            quantizer::dequantize_key(p.record, bytes.data(), hl, j, kd.data());
-            quantizer::dequantize_value(p.record, bytes.data(), hl, j, vd.data());
-            rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), window_first_position(s, w) + j);
-            for (int c = 0; c < d; ++c) put(j, u * hu + hl, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
-          }
+        from_record.template operator()<quantizer>(p.ledger_offset + static_cast<std::size_t>(rec.ledger_slot) * p.quantized_window_bytes(),
+                                                   p.record, u);
         continue;
+      }
+      if constexpr (support::quantized_top) {
+        if (t == tier::full) {
+          from_record.template operator()<full_quantizer>(p.full_offset + static_cast<std::size_t>(rec.full_slot) * p.full_window_bytes,
+                                                          p.full_record, u);
+          continue;
+        }
       }
       // Token rows: a Full slot holds the unit's heads, the recent ring all heads.
       int capacity = Wn, first_slot = 0, heads = hu, head0 = 0;
@@ -579,15 +598,13 @@ class cuda_cache {
     // whose scores meet the decode mass, and small budgets, where ranks churn); enough CTAs of 8
     // warps per lane keep those from serializing, and CTAs without work return at once.
     const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : QEVICT_ROUTE_CTAS_PER_LANE);
-    if (geo_.head_dim == 128) {
-      kernels::detail::quantize_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
+    const auto migrate = [&]<int D>() {
+      kernels::detail::quantize_kernel<D, W::size, quantizer, full_quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
       QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<128, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
-    } else {
-      kernels::detail::quantize_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
-      QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<64, W::size, quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
-    }
+      kernels::detail::store_full_kernel<D, W::size, quantizer, full_quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
+    };
+    if (geo_.head_dim == 128) migrate.template operator()<128>();
+    else migrate.template operator()<64>();
     QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
     for (int i = 0; i < list.n; ++i) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[i])];

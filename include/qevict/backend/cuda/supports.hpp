@@ -30,16 +30,36 @@ template <class Config>
 struct cuda_support {
   /// The sinks are one item of 8 tokens.
   static constexpr bool sinks = Config::window_policy::sinks <= 8;
+  using full_quantizer = typename Config::full_tier_policy::quantizer;  // void: token rows
+  static constexpr bool quantized_top = Config::full_tier_policy::quantized;
+  /// The code width of the top tier's records; 0 for token rows.
+  static constexpr int full_bits = [] {
+    if constexpr (quantized_top) return full_quantizer::bits;
+    else return 0;
+  }();
   /// Every window size of the window policy (1, 2, 4, 8, 16, 32) maps onto items of 8 tokens, but
-  /// windows shorter than an item are gathered from Full slots: their records are not supported.
-  static constexpr bool short_windows = Config::window_policy::size >= 8 || Config::allocator::quantized_percent == 0;
+  /// windows shorter than an item are gathered from Full slots of token rows: their records (in
+  /// the ledger or in a quantized top tier) are not supported.
+  static constexpr bool short_windows =
+      Config::window_policy::size >= 8 || (Config::allocator::quantized_percent == 0 && !quantized_top);
   /// INT2 or INT4 codes with bf16 scale and zero (INT4 not in the window-relative frame).
   static constexpr bool quantizer = cuda_detail::kernel_quantizer<typename Config::quantizer>::value;
-  static constexpr bool full_tier = !Config::full_tier_policy::quantized;
+  /// Token rows, or records of a kernel quantizer in the ledger's key frame, not window-relative
+  /// (one key rotation per record for both tiers; the window-relative query path reads 2-bit
+  /// ledger records only).
+  static constexpr bool full_tier = [] {
+    if constexpr (!quantized_top) {
+      return true;
+    } else {
+      using frame = typename Config::quantizer::key_frame;
+      return cuda_detail::kernel_quantizer<full_quantizer>::value && std::is_same_v<typename full_quantizer::key_frame, frame> &&
+             !std::is_same_v<frame, quantizers::key_frame::window_relative>;
+    }
+  }();
   /// The decode kernel weighs a token's probability by ‖v‖ for a value-weighted scorer from the
   /// token's row in shared memory: such a cache must keep no quantized records.
-  static constexpr bool scorer =
-      Config::scorer::token_signal != scorers::signal::value_weighted_attention || Config::allocator::quantized_percent == 0;
+  static constexpr bool scorer = Config::scorer::token_signal != scorers::signal::value_weighted_attention ||
+                                 (Config::allocator::quantized_percent == 0 && !quantized_top);
   static constexpr bool all = sinks && short_windows && quantizer && full_tier && scorer;
 };
 
