@@ -162,7 +162,7 @@ struct decode_layout {
   std::size_t region_bytes = 0, sink_offset = 0, recent_offset = 0, full_offset = 0, ledger_offset = 0;
   std::size_t full_window_bytes = 0, record_bytes = 0;
   /// The ledger's records, and the Full slots' records when the top tier is quantized
-  /// (full_tier::quantized_as; full_records.bits == 0: a Full slot holds token rows).
+  /// (full_tier::quantized_as; full_format.bits == 0: a Full slot holds token rows).
   record_format ledger_format{}, full_format{};
   int entries_per_lane = 0;  ///< capacity of one window list (one lane and unit)
   int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items

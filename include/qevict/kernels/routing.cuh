@@ -356,6 +356,8 @@ struct token_reader {
  private:
   static constexpr bool ledger_records = !std::is_void_v<LedgerQ>, full_records = !std::is_void_v<FullQ>;
   static constexpr bool any_records = ledger_records || full_records;
+  // The records' key frame (both tiers share one); a reader without records rotates nothing, and
+  // any quantizer's frame stands in.
   using frame = typename std::conditional_t<ledger_records, LedgerQ, std::conditional_t<full_records, FullQ, quantizers::asymmetric<2>>>::key_frame;
 
   /// KV head h's record in the source, or nullptr for token rows.
