@@ -21,7 +21,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -70,10 +70,10 @@ int run(cudaStream_t st) {
                            .element = qevict::element_type::bf16,
                            .rope = {.theta = 500000.0f, .layout = qevict::rope_layout::rotate_half}};
   const qevict::limits lim{.max_batch = 4, .max_tokens = 4096};
-  // Methods that never evict get the budget they need for everything, except zipcache_like, whose
-  // budget decides how many windows get its 4-bit top tier (the rest are 2-bit): 35% of the full
-  // cache gives it both.
-  const bool mixed = std::string_view{Preset::name} == "zipcache_like";
+  // Methods that never evict get the budget they need for everything, except two-precision ones
+  // (zipcache_like), whose budget decides how many windows get the 4-bit top tier (the rest are
+  // 2-bit): 35% of the full cache gives it both.
+  constexpr bool mixed = std::is_same_v<typename Preset::allocator, qevict::allocators::mixed_precision>;
   const qevict::budget b = mixed ? qevict::budget::fraction(0.35)
                            : Preset::allocator::keeps_everything ? qevict::budget::everything()
                                                                  : qevict::budget::fraction(0.20);

@@ -512,29 +512,40 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
   }
 }
 
+/// This CTA's share of a lane's migration tasks of one kind (quantize_kernel's, or store_full_kernel's
+/// when `store`), as route_decide_kernel listed them: f(item, the lane's region, its first
+/// position) for each of the warp's work items (migration_item).
+template <class F>
+__device__ __forceinline__ void for_each_migration_item(const cache_params& P, const cache_pointers& S, const lane_list& list,
+                                                        bool store, F&& f) {
+  if (failed(S.error)) return;
+  const decode_layout& L = P.L;
+  const int l = list.lane[blockIdx.x];
+  const int n_tasks = S.task_counts[2 * blockIdx.x + (store ? 1 : 0)];
+  std::byte* region = S.arena + L.region_offset(l);
+  const long long first = S.lanes[l].first_position;
+  const int warps = blockDim.x / 32 * gridDim.y;
+  const migration_task* tasks = (store ? S.store_tasks : S.quantize_tasks) + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
+  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps)
+    f(migration_item::of(L, tasks, item), region, first);
+}
+
 /// Quantizes window tasks (windows of W tokens, the KV heads of one unit) into ledger records: one
 /// warp per (task, KV head, keys or values). FullQ: the top tier's quantizer (void: token rows),
 /// for demotions from a Full slot.
 template <int D, int W, class Q, class FullQ, bool Rotates>
 __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                        const route_source src) {
-  if (failed(S.error)) return;
   const decode_layout& L = P.L;
-  const int l = list.lane[blockIdx.x];
-  const int n_tasks = S.task_counts[2 * blockIdx.x];
-  std::byte* region = S.arena + L.region_offset(l);
-  const long long first = S.lanes[l].first_position;
-  const int warps = blockDim.x / 32 * gridDim.y;
-  const migration_task* tasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
-    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
+  for_each_migration_item(P, S, list, false, [&](const migration_item& m, std::byte* region, long long first) {
+    const auto [task, keys, in_unit, h, w] = m;
     // Sources: the recent ring, the prefill's rows or a Full slot (never a ledger record).
     const token_reader<D, W, void, FullQ, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(in_unit) * L.ledger_format.head_bytes);
     quantize_head<D, W, Q, Rotates>(rd, rec, w, h, keys, threadIdx.x & 31, first + L.sinks + static_cast<long long>(w) * W,
                                     L.layout, S.inv_freq);
-  }
+  });
 }
 
 /// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions from the ledger and
@@ -544,17 +555,10 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
 template <int D, int W, class Q, class FullQ, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
-  if (failed(S.error)) return;
   const decode_layout& L = P.L;
-  const int l = list.lane[blockIdx.x];
-  const int n_tasks = S.task_counts[2 * blockIdx.x + 1];
-  std::byte* region = S.arena + L.region_offset(l);
-  const long long first = S.lanes[l].first_position;
   const int lane_id = threadIdx.x & 31;
-  const int warps = blockDim.x / 32 * gridDim.y;
-  const migration_task* tasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
-  for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps) {
-    const auto [task, keys, in_unit, h, w] = migration_item::of(L, tasks, item);
+  for_each_migration_item(P, S, list, true, [&](const migration_item& m, std::byte* region, long long first) {
+    const auto [task, keys, in_unit, h, w] = m;
     std::byte* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     // Sources: the recent ring, the prefill's rows or a ledger record (never a Full slot).
     const token_reader<D, W, Q, void, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
@@ -576,7 +580,7 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
         numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
       }
     }
-  }
+  });
 }
 
 }  // namespace detail

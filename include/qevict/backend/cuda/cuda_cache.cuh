@@ -41,6 +41,7 @@
 #include "qevict/backend/cuda/supports.hpp"
 #include "qevict/backend/host/host_cache.hpp"
 #include "qevict/core/layout.hpp"
+#include "qevict/core/records.hpp"
 #include "qevict/core/report.hpp"
 #include "qevict/kernels/cache_state.cuh"
 #include "qevict/kernels/check.cuh"
@@ -454,21 +455,18 @@ class cuda_cache {
     };
     const std::vector<double> inv = rope::inverse_frequencies(geo_.rope, d);
     std::vector<std::uint8_t> bytes;
-    std::vector<float> kd(static_cast<std::size_t>(d)), vd(static_cast<std::size_t>(d));
-    // A record of quantizer Q at `offset`: dequantized, keys rotated by the key frame's read
-    // rotation (as the host backend's dequantize_rotated).
+    std::vector<float> kw(static_cast<std::size_t>(Wn) * hu * d), vw(kw.size());
+    // A record of quantizer Q at `offset`, read back as the host backend reads it.
     const auto from_record = [&]<class Q>(std::size_t offset, const quantizers::record_layout& layout, int u) {
       bytes.resize(layout.window_bytes());
       QEVICT_CUDA_CHECK(cudaMemcpy(bytes.data(), region + offset, bytes.size(), cudaMemcpyDeviceToHost));
-      const long long t0 = window_first_position(s, w);
+      dequantize_window<Q, rope>(layout, bytes.data(), geo_.rope.layout, inv.data(), window_first_position(s, w), kw.data(), vw.data());
       for (int j = 0; j < Wn; ++j)
-        for (int hl = 0; hl < hu; ++hl) {
-          Q::dequantize_key(layout, bytes.data(), hl, j, kd.data());
-          Q::dequantize_value(layout, bytes.data(), hl, j, vd.data());
-          if constexpr (!Q::key_frame::rotated)
-            rope::rotate(geo_.rope.layout, inv.data(), d, kd.data(), Q::key_frame::read_rotation(t0, t0 + j));
-          for (int c = 0; c < d; ++c) put(j, u * hu + hl, c, kd[static_cast<std::size_t>(c)], vd[static_cast<std::size_t>(c)]);
-        }
+        for (int hl = 0; hl < hu; ++hl)
+          for (int c = 0; c < d; ++c) {
+            const std::size_t at = (static_cast<std::size_t>(j) * hu + hl) * d + c;
+            put(j, u * hu + hl, c, kw[at], vw[at]);
+          }
     };
     for (int u = 0; u < U; ++u) {
       const window_record& rec = table[static_cast<std::size_t>(w) * U + u];

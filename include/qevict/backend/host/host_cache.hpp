@@ -26,6 +26,7 @@
 
 #include "qevict/concepts/storage.hpp"
 #include "qevict/core/layout.hpp"
+#include "qevict/core/records.hpp"
 #include "qevict/core/report.hpp"
 #include "qevict/core/routing.hpp"
 #include "qevict/core/sequences.hpp"
@@ -592,14 +593,7 @@ class host_cache {
   template <class Q = quantizer>
   void dequantize_rotated(sequence_id s, int w, const std::uint8_t* record, const quantizers::record_layout& layout,
                           float* k_post, float* v) const {
-    const int d = geo_.head_dim, hu = plan_.heads_per_unit;
-    for (int j = 0; j < plan_.window; ++j)
-      for (int hl = 0; hl < hu; ++hl) {
-        float* kd = k_post + (static_cast<std::size_t>(j) * hu + hl) * d;
-        Q::dequantize_key(layout, record, hl, j, kd);
-        Q::dequantize_value(layout, record, hl, j, v + (static_cast<std::size_t>(j) * hu + hl) * d);
-        read_rotate<Q>(s, w, j, kd);
-      }
+    dequantize_window<Q, rope>(layout, record, geo_.rope.layout, inv_freq_.data(), window_first_position(s, w), k_post, v);
   }
 
   /// Rotates a dequantized key of token j of window w by quantizer Q's read rotation (direction
