@@ -158,3 +158,53 @@ TEST_CASE("decode_layout: regions of a cache with a budget per layer, in the hos
   // The layers' regions differ in size (otherwise this would not test much).
   CHECK(offsets[1] - offsets[0] < offsets[2] - offsets[1]);
 }
+
+TEST_CASE("decode_chunking: the automatic split-K chunk and the workspace that holds every chunk") {
+  using kernels::decode_chunking;
+  // 132 SMs (the H200): the longest chunk with at least 264 CTAs, else 64 items. Counts by hand:
+  // batch 32 x 8 KV heads x ceil(2450 / 256) = 2560 CTAs.
+  CHECK(decode_chunking::automatic(8, 32, 8, 2450, 132) == 256);
+  // batch 1: 8 x ceil(2450 / c) is 80, 104, 160, 208 CTAs for c = 256, 192, 128, 96.
+  CHECK(decode_chunking::automatic(8, 1, 8, 2450, 132) == 64);
+  // 8 x ceil(4097 / c) = 136, 176, 264 for c = 256, 192, 128.
+  CHECK(decode_chunking::automatic(8, 1, 8, 4097, 132) == 128);
+  CHECK(decode_chunking::automatic(8, 1, 8, 16385, 132) == 256);  // 8 x 65 = 520
+  CHECK(decode_chunking::automatic(32, 1, 8, 16385, 132) == 256);
+  CHECK(decode_chunking::automatic(4, 32, 8, 100000, 132) == 64);  // W < 8: at most 64 items
+  CHECK(decode_chunking::valid(8, 0));
+  CHECK(decode_chunking::valid(8, 256));
+  CHECK(decode_chunking::valid(16, 8));
+  CHECK_FALSE(decode_chunking::valid(8, 264));
+  CHECK_FALSE(decode_chunking::valid(8, 12));
+  CHECK_FALSE(decode_chunking::valid(8, -8));
+  CHECK(decode_chunking::valid(4, 64));
+  CHECK_FALSE(decode_chunking::valid(4, 72));
+
+  // The automatic workspace holds the partials and log-masses of every chunk it may pick, and a
+  // fixed chunk's workspace holds that chunk's.
+  geometry g;
+  g.layers = 1;
+  g.q_heads = 32;
+  g.kv_heads = 8;
+  g.head_dim = 128;
+  for (const int tokens : {1024, 5000, 32768}) {
+    const region_plan plan = make_region_plan<config<>>(g, budget::fraction(0.2), limits{.max_batch = 3, .max_tokens = tokens});
+    const auto L = kernels::decode_layout::for_config<config<>>(plan, g.rope.layout);
+    const auto automatic = kernels::decode_workspace::sizes(L, 3, 0);
+    for (int ipc = 8; ipc <= decode_chunking::max_items(8); ipc += 8) {
+      CAPTURE(tokens);
+      CAPTURE(ipc);
+      const std::size_t bh = 3 * 8, chunks = kernels::decode_workspace::chunks_for(L, ipc);
+      const std::size_t o = bh * chunks * L.group * L.head_dim * sizeof(float);
+      const std::size_t mass = bh * chunks * ipc * L.group * sizeof(float);
+      CHECK(chunks * ipc >= static_cast<std::size_t>(L.max_items));
+      const auto fixed = kernels::decode_workspace::sizes(L, 3, ipc);
+      CHECK(fixed.o >= o);
+      CHECK(fixed.mass >= mass);
+      if (ipc >= decode_chunking::min_automatic) {
+        CHECK(automatic.o >= o);
+        CHECK(automatic.mass >= mass);
+      }
+    }
+  }
+}
