@@ -35,9 +35,8 @@
 // need no shuffling (the contraction order is free, as long as A and B agree).
 //
 // Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head, the log2 of
-// the item's unnormalised mass, log2(sum exp2(s - m_ref)) + m_ref, which needs no rescaling later:
-// each warp keeps those of its last 8 pairs in shared memory and writes them out itself, so
-// shared memory does not grow with the chunk, which can hold up to 256 items; merge_kernel
+// the item's unnormalised mass, log2(sum exp2(s - m_ref)) + m_ref, as soon as the item is scored
+// (nothing per item is kept in shared memory, so a chunk can hold up to 256 items); merge_kernel
 // forms the log-sum-exp, the output and each window's mass = sum over heads of
 // exp2(log-mass - LSE) / H_q, added to the score. No per-token probability is written and K is
 // read once.
@@ -318,7 +317,7 @@ struct decode_workspace {
 namespace detail {
 
 constexpr int warps_per_cta = 4;
-/// Items whose log-masses a CTA keeps in shared memory at a time (a quarter per warp).
+/// Items per block of a chunk: each warp takes a quarter of a block's items (see the kernel).
 constexpr int block_items = 64;
 constexpr float log2e = 1.4426950408889634f;
 
@@ -949,7 +948,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ item_ref items_s[max_items];               // this chunk's items, pairs padded with empty ones
   __shared__ std::uint32_t rows_s[W < 8 ? max_items : 1][8];  // kind-3 items' key-row offsets
-  // Log-mass of each window of each warp's last items, per head: [warp][item][S][G].
+  // Log-mass of each window of each warp's items in its current block, per head:
+  // [warp][its k-th item there][S][G] (its own rows, whatever the block's length).
   __shared__ float mass_s[EmitMass ? block_items * S * 8 : 1];
   const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
   // part_mass[b][h][item][window of the item][head of the group]
@@ -1008,12 +1008,19 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   const int n_pairs = (chunk_items + 1) / 2;
   auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
-  // Warp w takes pairs w, w + 4, w + 8, ... (neighbouring warps read neighbouring items). It keeps
-  // the log-masses of its last warp_pairs pairs in its rows of mass_s and writes them out itself
-  // (no CTA barrier) after every warp_pairs pairs.
-  constexpr int warp_pairs = block_items / 2 / warps_per_cta;
-  const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
-  auto pair_of = [&](int k) { return warp_id + k * warps_per_cta; };
+  // The chunk is cut in blocks of block_items; in each block, warp w takes the w-th quarter of the
+  // block's pairs (the last block may be shorter: its quarters too), so that the log-masses it
+  // keeps in mass_s are consecutive items, which it writes out itself (coalesced, no CTA barrier)
+  // when it leaves the block.
+  constexpr int block_pairs = block_items / 2, warp_pairs = block_pairs / warps_per_cta;
+  const int full_blocks = n_pairs / block_pairs, last_pairs = n_pairs - full_blocks * block_pairs;
+  // Warp w's first pair in a block of p pairs, and its count there.
+  auto quarter = [&](int p) { return warp_id * p / warps_per_cta; };
+  const int my_pairs = full_blocks * warp_pairs + (warp_id + 1) * last_pairs / warps_per_cta - quarter(last_pairs);
+  auto pair_of = [&](int k) {
+    const int block = k / warp_pairs;
+    return block * block_pairs + quarter(block < full_blocks ? block_pairs : last_pairs) + k % warp_pairs;
+  };
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
   // Each warp streams its own pairs: pair k + stages - 1 is in flight while pair k is computed.
   auto issue = [&](int k) {
@@ -1030,171 +1037,165 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 #pragma unroll
   for (int k = 0; k < stages - 1; ++k) issue(k);
 
-  // Pairs in runs of warp_pairs: the log-masses of a run are written out after it, outside the
-  // loop over its pairs (inside, the write cost 12 % of the step at 32 x 32K).
-  for (int k0 = 0; k0 < my_pairs; k0 += warp_pairs) {
-    const int k_end = min(my_pairs, k0 + warp_pairs);
-    for (int k = k0; k < k_end; ++k) {
-      issue(k + stages - 1);
-      const int pair = pair_of(k);
-      const int li_a = 2 * pair, li_b = 2 * pair + 1;
-      const item_ref ra = items_s[li_a], rb = items_s[li_b];
-      const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
-      std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
-      std::uint8_t* s_b = s_a + item_bytes<D>;
-      // e^{i t0 f_p} of a quantized item, stored in its slot behind the record (window-relative
-      // records: in front of the key metadata that stage_key_meta writes there).
-      constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
-      float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
-      float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
-      const bool record_a = is_record<FullBits>(kind_a), record_b = is_record<FullBits>(kind_b);
-      if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
-        // Keys rotated one by one: from the item's first token; the query rotated per window: by
-        // the window's first token, the frame of the whole record.
-        const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
-        const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
-        for (int p = lane_id; p < D / 2; p += 32) {
-          const double f = A.inv_freq[p];
-          float c, s;
-          if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
-          if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
+  for (int k = 0; k < my_pairs; ++k) {
+    issue(k + stages - 1);
+    const int pair = pair_of(k);
+    const int li_a = 2 * pair, li_b = 2 * pair + 1;
+    const item_ref ra = items_s[li_a], rb = items_s[li_b];
+    const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
+    std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
+    std::uint8_t* s_b = s_a + item_bytes<D>;
+    // e^{i t0 f_p} of a quantized item, stored in its slot behind the record (window-relative
+    // records: in front of the key metadata that stage_key_meta writes there).
+    constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
+    float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
+    float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
+    const bool record_a = is_record<FullBits>(kind_a), record_b = is_record<FullBits>(kind_b);
+    if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
+      // Keys rotated one by one: from the item's first token; the query rotated per window: by
+      // the window's first token, the frame of the whole record.
+      const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
+      const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
+      for (int p = lane_id; p < D / 2; p += 32) {
+        const double f = A.inv_freq[p];
+        float c, s;
+        if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
+        if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
+      }
+    }
+    warp::cp_async_wait<stages - 1>();
+    __syncwarp();
+    // Most pairs are two records (keys after RoPE): for them the work below is branch-free, so
+    // that the two items' independent instruction streams interleave.
+    const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
+    if constexpr (Fp16Records) {
+      if (two_records) {
+        stage_key_meta<D>(L, s_a, lane_id);
+        stage_key_meta<D>(L, s_b, lane_id);
+      } else {
+        if (kind_a == 2) stage_key_meta<D>(L, s_a, lane_id);
+        if (kind_b == 2) stage_key_meta<D>(L, s_b, lane_id);
+      }
+      __syncwarp();
+    }
+
+    float sa[2], sb[2];
+    {
+      float ca[4], cb[4];
+      if (two_records) {
+        if constexpr (QueryPerWindow) {
+          query_for_window<D>(qr, cs_a, L.layout, t, qf);
+          score_record<D>(s_a, g, t, qf, ca);
+          query_for_window<D>(qr, cs_b, L.layout, t, qf);
+          score_record<D>(s_b, g, t, qf, cb);
+        } else {
+          score_record<D>(s_a, g, t, qf, ca);
+          score_record<D>(s_b, g, t, qf, cb);
+        }
+      } else {
+        auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
+          if (Fp16Records && kind == 2) {
+            if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
+            score_record<D>(s_item, g, t, qf, c);
+          } else {
+            score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+          }
+        };
+        score(kind_a, s_a, cs_a, ca);
+        score(kind_b, s_b, cs_b, cb);
+      }
+      sa[0] = 2 * t < valid_a ? ca[0] + ca[2] : -INFINITY;
+      sa[1] = 2 * t + 1 < valid_a ? ca[1] + ca[3] : -INFINITY;
+      sb[0] = 2 * t < valid_b ? cb[0] + cb[2] : -INFINITY;
+      sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
+    }
+    float2 vs_a, vz_a, vs_b, vz_b;
+    value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
+    value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
+
+    // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
+    float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const bool none = m_new == -INFINITY;
+    const float alpha = none ? 1.0f : exp2_sfu(m_run - m_new);
+    const float pa0 = none ? 0.f : exp2_sfu(sa[0] - m_new), pa1 = none ? 0.f : exp2_sfu(sa[1] - m_new);
+    const float pb0 = none ? 0.f : exp2_sfu(sb[0] - m_new), pb1 = none ? 0.f : exp2_sfu(sb[1] - m_new);
+    m_run = m_new;
+    l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
+    z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
+    if constexpr (EmitMass) {
+      // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
+      // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
+      const bool has_b = li_b < chunk_items;
+      float2 wa = make_float2(1.f, 1.f), wb = wa;
+      if constexpr (ValueWeighted) {
+        wa = value_norms<D, Bf16>(s_a, lane_id, t);
+        wb = value_norms<D, Bf16>(s_b, lane_id, t);
+      }
+      // The item's log-mass for head g, relative to nothing: log2(sum exp2(s - m_new)) + m_new
+      // (-inf for no mass), written as it is: the merge scales it by the lane's log-sum-exp.
+      const int local_a = warp_id * (2 * warp_pairs) + 2 * (k % warp_pairs);  // the pair's row in mass_s
+      auto put = [&](int local, int j, float mass) {
+        if (g < G) mass_s[(local * S + j) * G + g] = log2_sfu(mass) + m_new;
+      };
+      if constexpr (W == 1) {
+        put(local_a, 2 * t, pa0 * wa.x);
+        put(local_a, 2 * t + 1, pa1 * wa.y);
+        if (has_b) {
+          put(local_a + 1, 2 * t, pb0 * wb.x);
+          put(local_a + 1, 2 * t + 1, pb1 * wb.y);
+        }
+      } else {
+        constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
+        float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
+#pragma unroll
+        for (int o = 1; o < threads_per_window; o <<= 1) {
+          ma += __shfl_xor_sync(0xffffffffu, ma, o);
+          mb += __shfl_xor_sync(0xffffffffu, mb, o);
+        }
+        if (t % threads_per_window == 0) {
+          put(local_a, t / threads_per_window, ma);
+          if (has_b) put(local_a + 1, t / threads_per_window, mb);
         }
       }
-      warp::cp_async_wait<stages - 1>();
-      __syncwarp();
-      // Most pairs are two records (keys after RoPE): for them the work below is branch-free, so
-      // that the two items' independent instruction streams interleave.
-      const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
-      if constexpr (Fp16Records) {
-        if (two_records) {
-          stage_key_meta<D>(L, s_a, lane_id);
-          stage_key_meta<D>(L, s_b, lane_id);
-        } else {
-          if (kind_a == 2) stage_key_meta<D>(L, s_a, lane_id);
-          if (kind_b == 2) stage_key_meta<D>(L, s_b, lane_id);
-        }
+    }
+    // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
+    // the first items are seen a row's maximum rarely grows, and then nothing needs rescaling.
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al1;
+        o[i][2] *= al0;
+        o[i][3] *= al1;
+      }
+    }
+    // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
+    // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
+    std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
+    warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
+    warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
+    std::uint32_t v[D / 16][4];
+    value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
+      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
+    }
+    __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
+    if constexpr (EmitMass) {
+      if (k % warp_pairs == warp_pairs - 1 || k == my_pairs - 1) {
+        // Leaving a block: this warp's items of it, from `first` on, to the workspace.
+        const int first = 2 * pair_of(k - k % warp_pairs);
+        const int n = min(2 * (k % warp_pairs + 1), chunk_items - first) * S * G;
+        float* to = mass_out + static_cast<std::size_t>(first_item + first) * S * G;
+        const float* from = mass_s + warp_id * (2 * warp_pairs) * S * G;
+        for (int e = lane_id; e < n; e += 32) to[e] = from[e];
         __syncwarp();
       }
-
-      float sa[2], sb[2];
-      {
-        float ca[4], cb[4];
-        if (two_records) {
-          if constexpr (QueryPerWindow) {
-            query_for_window<D>(qr, cs_a, L.layout, t, qf);
-            score_record<D>(s_a, g, t, qf, ca);
-            query_for_window<D>(qr, cs_b, L.layout, t, qf);
-            score_record<D>(s_b, g, t, qf, cb);
-          } else {
-            score_record<D>(s_a, g, t, qf, ca);
-            score_record<D>(s_b, g, t, qf, cb);
-          }
-        } else {
-          auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
-            if (Fp16Records && kind == 2) {
-              if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
-              score_record<D>(s_item, g, t, qf, c);
-            } else {
-              score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
-            }
-          };
-          score(kind_a, s_a, cs_a, ca);
-          score(kind_b, s_b, cs_b, cb);
-        }
-        sa[0] = 2 * t < valid_a ? ca[0] + ca[2] : -INFINITY;
-        sa[1] = 2 * t + 1 < valid_a ? ca[1] + ca[3] : -INFINITY;
-        sb[0] = 2 * t < valid_b ? cb[0] + cb[2] : -INFINITY;
-        sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
-      }
-      float2 vs_a, vz_a, vs_b, vz_b;
-      value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
-      value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
-
-      // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
-      float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run, mx);
-      const bool none = m_new == -INFINITY;
-      const float alpha = none ? 1.0f : exp2_sfu(m_run - m_new);
-      const float pa0 = none ? 0.f : exp2_sfu(sa[0] - m_new), pa1 = none ? 0.f : exp2_sfu(sa[1] - m_new);
-      const float pb0 = none ? 0.f : exp2_sfu(sb[0] - m_new), pb1 = none ? 0.f : exp2_sfu(sb[1] - m_new);
-      m_run = m_new;
-      l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
-      z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
-      if constexpr (EmitMass) {
-        // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
-        // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
-        const bool has_b = li_b < chunk_items;
-        float2 wa = make_float2(1.f, 1.f), wb = wa;
-        if constexpr (ValueWeighted) {
-          wa = value_norms<D, Bf16>(s_a, lane_id, t);
-          wb = value_norms<D, Bf16>(s_b, lane_id, t);
-        }
-        // The item's log-mass for head g, relative to nothing: log2(sum exp2(s - m_new)) + m_new
-        // (-inf for no mass), written as it is: the merge scales it by the lane's log-sum-exp.
-        const int local_a = warp_id * (2 * warp_pairs) + 2 * (k % warp_pairs);  // the pair's row in mass_s
-        auto put = [&](int local, int j, float mass) {
-          if (g < G) mass_s[(local * S + j) * G + g] = log2_sfu(mass) + m_new;
-        };
-        if constexpr (W == 1) {
-          put(local_a, 2 * t, pa0 * wa.x);
-          put(local_a, 2 * t + 1, pa1 * wa.y);
-          if (has_b) {
-            put(local_a + 1, 2 * t, pb0 * wb.x);
-            put(local_a + 1, 2 * t + 1, pb1 * wb.y);
-          }
-        } else {
-          constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
-          float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
-  #pragma unroll
-          for (int o = 1; o < threads_per_window; o <<= 1) {
-            ma += __shfl_xor_sync(0xffffffffu, ma, o);
-            mb += __shfl_xor_sync(0xffffffffu, mb, o);
-          }
-          if (t % threads_per_window == 0) {
-            put(local_a, t / threads_per_window, ma);
-            if (has_b) put(local_a + 1, t / threads_per_window, mb);
-          }
-        }
-      }
-      // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
-      // the first items are seen a row's maximum rarely grows, and then nothing needs rescaling.
-      if (__any_sync(0xffffffffu, alpha != 1.0f)) {
-        const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-  #pragma unroll
-        for (int i = 0; i < D / 16; ++i) {
-          o[i][0] *= al0;
-          o[i][1] *= al1;
-          o[i][2] *= al0;
-          o[i][3] *= al1;
-        }
-      }
-      // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
-      // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
-      std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
-      warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
-      warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-      std::uint32_t v[D / 16][4];
-      value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
-  #pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
-        if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
-      }
-      __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
-    }
-    if constexpr (EmitMass) {
-      // The run's log-masses to the workspace: each pair's 2 items x S windows x G heads are
-      // consecutive there.
-      for (int k = k0; k < k_end; ++k) {
-        const int first = 2 * pair_of(k);
-        const int n = min(2, chunk_items - first) * S * G;
-        float* to = mass_out + static_cast<std::size_t>(first_item + first) * S * G;
-        const float* from = mass_s + (warp_id * (2 * warp_pairs) + 2 * (k - k0)) * S * G;
-        for (int e = lane_id; e < n; e += 32) to[e] = from[e];
-      }
-      __syncwarp();
     }
   }
   warp::cp_async_wait<0>();
