@@ -1,7 +1,7 @@
 // One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
 //   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post]
-// (BUDGET 0 = every window Full; ITEMS_PER_CHUNK 0 (default) = the backend's automatic chunk; the
-// records' key frame: before RoPE (default), relative to the window's start, after RoPE).
+// (BUDGET 0 = every window Full; the records' key frame: before RoPE (default), relative to the
+// window's start, after RoPE).
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
   const double f = std::atof(argv[3]);
   const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
-  const int ipc = argc > 5 ? std::atoi(argv[5]) : 0;
+  const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
   const std::string frame = argc > 6 ? argv[6] : "pre";
   const geometry g = bench::llama_layer();
   bench::decode_state s = frame == "post"       ? bench::make_state<bench::post_rope>(g, batch, context, f, ipc)
@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
   const float ms = bench::median_ms(step, 5, reps);
   std::printf("{\"impl\": \"%s\", \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
               "\"bytes\": %zu, \"tbps\": %.3f}\n",
-              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", batch, context, f, s.items_per_chunk, ms, s.bytes_read, s.bytes_read / ms / 1e9);
+              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
   s.release();
   return 0;
 }

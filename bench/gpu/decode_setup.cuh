@@ -49,7 +49,7 @@ struct decode_state {
   float* q_rotated = nullptr;
   float2* cs_table = nullptr;
   double* inv_freq = nullptr;
-  int batch = 0, max_items = 0, items_per_chunk = 0;  ///< the chunk used (chosen when 0 was asked for)
+  int batch = 0, max_items = 0, items_per_chunk = 64;
   std::size_t bytes_read = 0;  ///< KV bytes one decode step reads
   int n_full = 0, n_quantized = 0;
 
@@ -78,10 +78,9 @@ inline geometry llama_layer(element_type e = element_type::bf16) {
   return g;
 }
 
-/// `fraction` <= 0 means budget::everything() (every window Full). items_per_chunk 0: the
-/// backend's automatic choice (kernels::decode_chunking::automatic).
+/// `fraction` <= 0 means budget::everything() (every window Full).
 template <class Config = qevict::config<>>
-decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 0) {
+decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 64) {
   decode_state s;
   const budget b = fraction > 0 ? budget::fraction(fraction) : budget::everything();
   const limits lim{.max_batch = batch, .max_tokens = context};
@@ -124,12 +123,6 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
                  (static_cast<std::size_t>(p.sinks + recent_tokens) * 2 * hkv * d * 2 +
                   static_cast<std::size_t>(nf) * p.full_window_bytes + static_cast<std::size_t>(nq) * p.record.window_bytes());
   s.max_items = 1 + nf + nq + (started - aged);
-  if (items_per_chunk == 0) {
-    int device = 0, sms = 0;
-    QEVICT_CUDA_CHECK(cudaGetDevice(&device));
-    QEVICT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    s.items_per_chunk = kernels::decode_chunking::automatic(p.window, batch, g.kv_heads, s.max_items, sms);
-  }
 
   QEVICT_CUDA_CHECK(cudaMalloc(&s.lanes, lanes.size() * sizeof(lanes[0])));
   QEVICT_CUDA_CHECK(cudaMemcpy(s.lanes, lanes.data(), lanes.size() * sizeof(lanes[0]), cudaMemcpyHostToDevice));

@@ -138,33 +138,3 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   t.dev.check();
   CHECK(rel_error(dout.download(), out_h, g.head_dim) <= 2e-3);
 }
-
-TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
-  geometry g;
-  g.layers = 1;
-  g.kv_heads = 2;
-  g.q_heads = 8;
-  g.head_dim = 64;
-  g.element = element_type::bf16;
-  const limits lim{.max_batch = 2, .max_tokens = 2048};
-  auto make = [&]<class Cfg>(int items_per_chunk) {
-    backend::cuda::settings set;
-    set.items_per_chunk = items_per_chunk;
-    qevict::cache<Cfg, backend::cuda> kv(g, budget::fraction(0.2), lim, set);
-  };
-  CHECK_THROWS_WITH_AS(make.template operator()<paper>(12),
-                       doctest::Contains("items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, 256], got 12"), qevict::error);
-  CHECK_THROWS_WITH_AS(make.template operator()<paper>(264), doctest::Contains("got 264"), qevict::error);
-  CHECK_THROWS_WITH_AS(make.template operator()<presets::h2o::config_type>(128),
-                       doctest::Contains("multiple of 8 in [8, 64], got 128"), qevict::error);
-  CHECK_NOTHROW(make.template operator()<paper>(256));
-  CHECK_NOTHROW(make.template operator()<presets::h2o::config_type>(64));
-  // A fixed chunk of 8 items (many chunks per lane) and of 256 (one) against the host, through
-  // routing events.
-  for (int ipc : {8, 256}) {
-    CAPTURE(ipc);
-    case_spec c{64, 4, 7, element_type::bf16, budget::fraction(0.2), 700, quick() ? 24 : 64, 1, rope_layout::rotate_half, true};
-    c.items_per_chunk = ipc;
-    run_case<paper>(c, 300u + ipc);
-  }
-}

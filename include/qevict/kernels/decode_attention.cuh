@@ -34,17 +34,10 @@
 // shared memory; the query is an fp16 copy whose channels are ordered so that a thread's codes
 // need no shuffling (the contraction order is free, as long as A and B agree).
 //
-// Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head, the log2 of
-// the item's unnormalised mass, log2(sum exp2(s - m_ref)) + m_ref, as soon as the item is scored
-// (nothing per item is kept in shared memory, so a chunk can hold up to 256 items); merge_kernel
-// forms the log-sum-exp, the output and each window's mass = sum over heads of
-// exp2(log-mass - LSE) / H_q, added to the score. No per-token probability is written and K is
-// read once.
-//
-// Chunk size. A CTA pays a fixed cost (describing its items, its first pair's memory latency, the
-// merge of its warps and its partial's write), so long chunks are faster as long as the grid still
-// fills the GPU: automatic_items_per_chunk picks the longest chunk (up to 256 items) that leaves
-// at least two CTAs per SM.
+// Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
+// sum(exp(s - m_ref)) scaled to the CTA's max; merge_kernel forms the log-sum-exp, the output and
+// each window's mass = sum over heads of that value * exp(m_chunk - LSE) / H_q, added to the score.
+// No per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -53,7 +46,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 
 #include "qevict/core/layout.hpp"
@@ -256,36 +248,11 @@ struct decode_arguments {
   // Workspace (decode_workspace::bytes).
   float* part_o = nullptr;
   float2* part_ml = nullptr;
-  float* part_mass = nullptr;   ///< per item and head: log2 of its unnormalised mass
+  float* part_mass = nullptr;
   float* q_rotated = nullptr;   ///< [batch][q_heads][head_dim]: RoPE'd, times log2(e)/sqrt(head_dim)
   float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
   int items_per_chunk = 64;
   int max_chunks = 0;
-};
-
-/// Split-K chunks: how many items one CTA takes.
-struct decode_chunking {
-  /// The longest chunk the kernel takes for windows of `window` tokens (W < 8 keeps each item's 8
-  /// gathered row offsets in shared memory, 32 bytes an item).
-  static constexpr int max_items(int window) { return window >= 8 ? 256 : 64; }
-  /// The shortest chunk automatic() picks.
-  static constexpr int min_automatic = 64;
-  /// The longest of 256, 192, 128, 96 and 64 items (at most max_items) that still gives the grid
-  /// at least two CTAs per SM; 64 when none does. Measured on the H200 (docs/performance.md):
-  /// a CTA's fixed cost makes longer chunks faster (32 x 32K at 20 %: 256 items 11 % faster than
-  /// 64), until the grid no longer fills the GPU (1 x 32K at 20 %: 64 items is best).
-  static int automatic(int window, int batch, int kv_heads, int max_items_in_lane, int sm_count) {
-    for (int ipc : {256, 192, 128, 96}) {
-      if (ipc > max_items(window)) continue;
-      const long long ctas = static_cast<long long>(batch) * kv_heads * ((max_items_in_lane + ipc - 1) / ipc);
-      if (ctas >= 2LL * sm_count) return ipc;
-    }
-    return min_automatic;
-  }
-  /// Whether `items_per_chunk` is a valid fixed setting (0 stands for automatic).
-  static constexpr bool valid(int window, int items_per_chunk) {
-    return items_per_chunk == 0 || (items_per_chunk % 8 == 0 && items_per_chunk >= 8 && items_per_chunk <= max_items(window));
-  }
 };
 
 /// Workspace sizes for `batch` sequences.
@@ -294,19 +261,13 @@ struct decode_workspace {
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
     return (L.max_items + items_per_chunk - 1) / items_per_chunk;
   }
-  /// items_per_chunk: the launches' fixed chunk, or 0 for decode_chunking::automatic (any chunk of
-  /// 64 items or more).
   static decode_workspace sizes(const decode_layout& L, int batch, int items_per_chunk) {
-    const int shortest = items_per_chunk > 0 ? items_per_chunk : decode_chunking::min_automatic;
-    const int longest = items_per_chunk > 0 ? items_per_chunk : decode_chunking::max_items(L.window);
-    const std::size_t chunks = static_cast<std::size_t>(chunks_for(L, shortest));
+    const std::size_t chunks = static_cast<std::size_t>(chunks_for(L, items_per_chunk));
     const std::size_t bh = static_cast<std::size_t>(batch) * L.kv_heads;
-    // Items are indexed up to chunks_for(L, ipc) * ipc < max_items + ipc for every chunk ipc.
-    const std::size_t items = static_cast<std::size_t>(L.max_items) + longest - 1;
     decode_workspace w;
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
-    w.mass = bh * items * L.windows_per_item() * L.group * sizeof(float);
+    w.mass = bh * chunks * items_per_chunk * L.windows_per_item() * L.group * sizeof(float);
     w.q = bh * L.group * L.head_dim * sizeof(float);
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
@@ -317,16 +278,8 @@ struct decode_workspace {
 namespace detail {
 
 constexpr int warps_per_cta = 4;
-/// Items per block of a chunk: each warp takes a quarter of a block's items (see the kernel).
-constexpr int block_items = 64;
+constexpr int max_items_per_chunk = 64;
 constexpr float log2e = 1.4426950408889634f;
-
-/// log2(x) on the special-function unit (absolute error about 2^-22; log2(0) = -inf).
-__device__ __forceinline__ float log2_sfu(float x) {
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 /// 2^x on the special-function unit (relative error about 2^-22). Results below 2^-126 flush to
 /// zero, which for a softmax weight relative to the running maximum changes nothing that float
@@ -943,17 +896,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
-  constexpr int max_items = decode_chunking::max_items(W);
+  constexpr int mass_items = EmitMass ? max_items_per_chunk : 1;
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
+  __shared__ float mass_s[mass_items][S][8];  // sum exp(s - m_ref) of each window of the item, per head
+  __shared__ float mref_s[mass_items][8];     // m_ref
   __shared__ float3 mlz_s[warps_per_cta][8];
-  __shared__ item_ref items_s[max_items];               // this chunk's items, pairs padded with empty ones
-  __shared__ std::uint32_t rows_s[W < 8 ? max_items : 1][8];  // kind-3 items' key-row offsets
-  // Log-mass of each window of each warp's items in its current block, per head:
-  // [warp][its k-th item there][S][G] (its own rows, whatever the block's length).
-  __shared__ float mass_s[EmitMass ? block_items * S * 8 : 1];
-  const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
-  // part_mass[b][h][item][window of the item][head of the group]
-  [[maybe_unused]] float* mass_out = A.part_mass + bh * A.max_chunks * A.items_per_chunk * S * G;
+  __shared__ item_ref items_s[max_items_per_chunk];         // this chunk's items, pairs padded with empty ones
+  __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
   {
@@ -1008,24 +957,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   const int n_pairs = (chunk_items + 1) / 2;
   auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
-  // The chunk is cut in blocks of block_items; in each block, warp w takes the w-th quarter of the
-  // block's pairs (the last block may be shorter: its quarters too), so that the log-masses it
-  // keeps in mass_s are consecutive items, which it writes out itself (coalesced, no CTA barrier)
-  // when it leaves the block.
-  constexpr int block_pairs = block_items / 2, warp_pairs = block_pairs / warps_per_cta;
-  const int full_blocks = n_pairs / block_pairs, last_pairs = n_pairs - full_blocks * block_pairs;
-  // Warp w's first pair in a block of p pairs, and its count there.
-  auto quarter = [&](int p) { return warp_id * p / warps_per_cta; };
-  const int my_pairs = full_blocks * warp_pairs + (warp_id + 1) * last_pairs / warps_per_cta - quarter(last_pairs);
-  auto pair_of = [&](int k) {
-    const int block = k / warp_pairs;
-    return block * block_pairs + quarter(block < full_blocks ? block_pairs : last_pairs) + k % warp_pairs;
-  };
+  const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
-  // Each warp streams its own pairs: pair k + stages - 1 is in flight while pair k is computed.
+  // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
+  // while pair k is computed.
   auto issue = [&](int k) {
     if (k < my_pairs) {
-      const int pair = pair_of(k);
+      const int pair = warp_id + k * warps_per_cta;
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
 #pragma unroll
       for (int j = 0; j < 2; ++j)
@@ -1039,7 +977,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   for (int k = 0; k < my_pairs; ++k) {
     issue(k + stages - 1);
-    const int pair = pair_of(k);
+    const int pair = warp_id + k * warps_per_cta;
     const int li_a = 2 * pair, li_b = 2 * pair + 1;
     const item_ref ra = items_s[li_a], rb = items_s[li_b];
     const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
@@ -1134,18 +1072,12 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         wa = value_norms<D, Bf16>(s_a, lane_id, t);
         wb = value_norms<D, Bf16>(s_b, lane_id, t);
       }
-      // The item's log-mass for head g, relative to nothing: log2(sum exp2(s - m_new)) + m_new
-      // (-inf for no mass), written as it is: the merge scales it by the lane's log-sum-exp.
-      const int local_a = warp_id * (2 * warp_pairs) + 2 * (k % warp_pairs);  // the pair's row in mass_s
-      auto put = [&](int local, int j, float mass) {
-        if (g < G) mass_s[(local * S + j) * G + g] = log2_sfu(mass) + m_new;
-      };
       if constexpr (W == 1) {
-        put(local_a, 2 * t, pa0 * wa.x);
-        put(local_a, 2 * t + 1, pa1 * wa.y);
+        mass_s[li_a][2 * t][g] = pa0 * wa.x;
+        mass_s[li_a][2 * t + 1][g] = pa1 * wa.y;
         if (has_b) {
-          put(local_a + 1, 2 * t, pb0 * wb.x);
-          put(local_a + 1, 2 * t + 1, pb1 * wb.y);
+          mass_s[li_b][2 * t][g] = pb0 * wb.x;
+          mass_s[li_b][2 * t + 1][g] = pb1 * wb.y;
         }
       } else {
         constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
@@ -1156,9 +1088,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           mb += __shfl_xor_sync(0xffffffffu, mb, o);
         }
         if (t % threads_per_window == 0) {
-          put(local_a, t / threads_per_window, ma);
-          if (has_b) put(local_a + 1, t / threads_per_window, mb);
+          mass_s[li_a][t / threads_per_window][g] = ma;
+          if (has_b) mass_s[li_b][t / threads_per_window][g] = mb;
         }
+      }
+      if (t == 0) {
+        mref_s[li_a][g] = m_new;
+        if (has_b) mref_s[li_b][g] = m_new;
       }
     }
     // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
@@ -1186,17 +1122,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
     }
     __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
-    if constexpr (EmitMass) {
-      if (k % warp_pairs == warp_pairs - 1 || k == my_pairs - 1) {
-        // Leaving a block: this warp's items of it, from `first` on, to the workspace.
-        const int first = 2 * pair_of(k - k % warp_pairs);
-        const int n = min(2 * (k % warp_pairs + 1), chunk_items - first) * S * G;
-        float* to = mass_out + static_cast<std::size_t>(first_item + first) * S * G;
-        const float* from = mass_s + warp_id * (2 * warp_pairs) * S * G;
-        for (int e = lane_id; e < n; e += 32) to[e] = from[e];
-        __syncwarp();
-      }
-    }
   }
   warp::cp_async_wait<0>();
   __syncwarp();
@@ -1223,6 +1148,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __syncthreads();
 
   // CTA merge: common max per head, then this chunk's partial (output, max, sum).
+  const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
     const int hg = e / D, c = e % D;
@@ -1240,15 +1166,26 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     A.part_o[chunk_row * G * D + e] = acc;
     if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
   }
+  if constexpr (EmitMass) {
+    // part_mass[b][h][item][window of the item][head of the group]
+    for (int e = threadIdx.x; e < chunk_items * S * G; e += blockDim.x) {
+      const int li = e / (S * G), j = (e / G) % S, hg = e % G;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
+      const float m_ref = mref_s[li][hg];
+      A.part_mass[((bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * S + j) * G + hg] =
+          m_ref == -INFINITY ? 0.f : mass_s[li][j][hg] * exp2_sfu(m_ref - M);
+    }
+  }
 }
 
 /// Log-sum-exp merge of the chunks; output and window mass. Grid: (x, batch).
 template <int D, bool EmitMass, class Scorer, int W>
 __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L, const decode_arguments A) {
-  extern __shared__ float merge_s[];  // [kv_heads] chunk counts (int), [q_heads] LSE, [chunks][q_heads] factors
+  extern __shared__ float merge_s[];  // [kv_heads] chunk counts (int), then [chunks][q_heads] factors
   int* chunks_s = reinterpret_cast<int*>(merge_s);
-  float* lse_s = merge_s + L.kv_heads;     // log2 of each query head's softmax denominator
-  float* factor_s = lse_s + L.kv_heads * L.group;  // exp2(m_chunk - LSE)
+  float* factor_s = merge_s + L.kv_heads;  // exp2(m_chunk - LSE)
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
@@ -1272,7 +1209,6 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       }
     }
     const float lse = M + log2f(S);
-    lse_s[qh] = lse;
     for (int c = 0; c < n_chunks; ++c) {
       const float m = A.part_ml[(row0 + c) * G + hg].x;
       factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
@@ -1302,14 +1238,11 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
       float mass = 0.f;
       for (int p = 0; p < P && item0 + p < n_items; ++p) {
-        const int li = item0 + p;
+        const int li = item0 + p, c = li / A.items_per_chunk;
         for (int h = u * hu; h < (u + 1) * hu; ++h) {
           const float* pm = A.part_mass +
                             (((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
-          for (int hg = 0; hg < G; ++hg) {
-            const float log_mass = pm[hg];  // -inf: no mass (then the LSE may be -inf too)
-            if (log_mass != -INFINITY) mass += exp2_sfu(log_mass - lse_s[h * G + hg]);
-          }
+          for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
         }
       }
       mass /= static_cast<float>(HQ / L.units);
@@ -1341,9 +1274,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(L.ledger_format.bits == Bits && L.full_format.bits == FullBits,
                           "decode_attention: the layout's code widths differ from the kernel's");
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
-  qevict::detail::require(args.items_per_chunk > 0 && decode_chunking::valid(W, args.items_per_chunk),
-                          "decode_attention: items_per_chunk must be a multiple of 8 in [8, " +
-                              std::to_string(decode_chunking::max_items(W)) + "] for windows of " + std::to_string(W) + " tokens");
+  qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
+                  "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
   // Rows and records are read in 16-byte pieces: every section of every region must be 16-byte
   // aligned. The window table (12 bytes a window) breaks this unless max_windows is a multiple of
   // 4, e.g. limits::max_tokens a power of two >= 32 with 5 sinks.
@@ -1380,7 +1312,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
   const int max_windows = max_items * item_count::windows_per_item(W);
   const int blocks_x = std::max((max_windows + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
-  const std::size_t smem = (static_cast<std::size_t>(chunks) * hq + hq + L.kv_heads) * sizeof(float);
+  const std::size_t smem = (static_cast<std::size_t>(chunks) * hq + L.kv_heads) * sizeof(float);
   qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");
   if (smem > 48 * 1024)
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,

@@ -63,10 +63,7 @@ class cuda_cache;
 /// Run-time settings of the CUDA backend.
 struct cuda_settings {
   cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
-  /// Split-K chunk of the decode kernel, in items of 8 tokens: 0 picks it per call
-  /// (kernels::decode_chunking::automatic: the longest chunk up to 256 items that still gives
-  /// every SM two CTAs); else a multiple of 8 up to 256 (up to 64 for windows under 8 tokens).
-  int items_per_chunk = 0;
+  int items_per_chunk = 64;       ///< split-K chunk of the decode kernel (multiple of 8, <= 64)
 };
 
 /// Backend tag: device-resident cache, stream-ordered kernels.
@@ -121,16 +118,9 @@ class cuda_cache {
                     "backend::cuda: at most " + std::to_string(kernels::lane_list::capacity) + " layers");
     detail::require(lim.max_batch <= kernels::lane_list::capacity,
                     "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
-    detail::require(kernels::decode_chunking::valid(W::size, set.items_per_chunk), [&] {
-      return "backend::cuda: items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, " +
-             std::to_string(kernels::decode_chunking::max_items(W::size)) + "], got " + std::to_string(set.items_per_chunk);
-    });
+    detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
+                    "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64]");
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
-    {
-      int device = 0;
-      QEVICT_CUDA_CHECK(cudaGetDevice(&device));
-      QEVICT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device));
-    }
     // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
     // (budget::with_layer_shares) each layer's region has its own size, and its own cache_params.
     for (const region_plan& p : plans_) {
@@ -369,9 +359,8 @@ class cuda_cache {
     a.part_mass = part_mass_;
     a.q_rotated = q_rotated_;
     a.cs_table = cs_table_;
-    a.items_per_chunk = set_.items_per_chunk > 0 ? set_.items_per_chunk
-                                                 : kernels::decode_chunking::automatic(W::size, list.n, geo_.kv_heads, max_items, sm_count_);
-    a.max_chunks = kernels::decode_workspace::chunks_for(P.L, a.items_per_chunk);
+    a.items_per_chunk = set_.items_per_chunk;
+    a.max_chunks = kernels::decode_workspace::chunks_for(P.L, set_.items_per_chunk);
     kernels::decode_attention<true, scorer, W::size, quantizer::bits, full_bits>(geo_.element, P.L, a, max_items, set_.stream);
     for (int b = 0; b < list.n; ++b) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[b])];
@@ -640,7 +629,6 @@ class cuda_cache {
   region_plan plan_;
   std::vector<region_plan> plans_;
   std::size_t lanes_total_ = 0;
-  int sm_count_ = 1;  ///< of the current device: the decode kernel's automatic chunk fills them
   std::vector<kernels::cache_params> params_;  ///< one per layer
   std::vector<std::size_t> layer_offset_;      ///< of each layer's region in a sequence's bytes
   std::size_t sequence_stride_ = 0;
