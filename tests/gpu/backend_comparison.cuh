@@ -47,6 +47,7 @@ struct case_spec {
   int layers = 1;
   qevict::rope_layout layout = qevict::rope_layout::rotate_half;
   bool churn = false;
+  int items_per_chunk = 64;  ///< the CUDA backend's decode split-K chunk (cuda_settings)
 };
 
 struct worst_error {
@@ -86,8 +87,13 @@ struct twin {
   static std::byte* aligned(std::vector<std::byte>& v) {
     return reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t{63});
   }
+  static qevict::backend::cuda::settings with_chunk(int items_per_chunk) {
+    qevict::backend::cuda::settings set;
+    set.items_per_chunk = items_per_chunk;
+    return set;
+  }
   twin(const qevict::geometry& g_, const qevict::budget& b_, const qevict::limits& l_, const qevict::options& opt,
-       unsigned seed)
+       unsigned seed, int items_per_chunk = 64)
       : g(g_),
         b(b_),
         lim(l_),
@@ -96,7 +102,7 @@ struct twin {
         host_base(aligned(host_arena)),
         dev_arena(bytes),
         host(g_, b_, l_, qevict::storage::external{host_base, bytes}, opt),
-        dev(g_, b_, l_, qevict::storage::external{dev_arena.ptr, bytes}, qevict::backend::cuda::settings{}, opt),
+        dev(g_, b_, l_, qevict::storage::external{dev_arena.ptr, bytes}, with_chunk(items_per_chunk), opt),
         rng(seed) {}
 
   std::size_t krow() const { return static_cast<std::size_t>(g.kv_heads) * g.head_dim; }
@@ -246,7 +252,7 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
   const qevict::limits lim{.max_batch = spec.batch, .max_tokens = 2048};
   qevict::options opt;
   opt.routing = qevict::routing_mode::manual;  // routing every Ω steps by route(), on both sides
-  twin<Cfg> t(g, spec.b, lim, opt, seed);
+  twin<Cfg> t(g, spec.b, lim, opt, seed, spec.items_per_chunk);
   worst_error e;
   std::uniform_int_distribution<int> len_d(1, spec.max_prompt);
   std::uniform_int_distribution<long long> pos_d(0, 200000);

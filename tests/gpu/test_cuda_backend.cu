@@ -138,3 +138,27 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   t.dev.check();
   CHECK(rel_error(dout.download(), out_h, g.head_dim) <= 2e-3);
 }
+
+TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
+  geometry g;
+  g.layers = 1;
+  g.kv_heads = 2;
+  g.q_heads = 8;
+  g.head_dim = 64;
+  g.element = element_type::bf16;
+  const limits lim{.max_batch = 2, .max_tokens = 2048};
+  auto make = [&](int items_per_chunk) {
+    backend::cuda::settings set;
+    set.items_per_chunk = items_per_chunk;
+    qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, set);
+  };
+  CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be a multiple of 8 in [8, 64], got 12"), qevict::error);
+  CHECK_THROWS_WITH_AS(make(72), doctest::Contains("got 72"), qevict::error);
+  CHECK_THROWS_WITH_AS(make(0), doctest::Contains("got 0"), qevict::error);
+  CHECK_NOTHROW(make(8));
+  // The shortest chunk (dozens per lane) against the host, through routing events; the default
+  // (64) is what every other case runs.
+  case_spec c{64, 4, 7, element_type::bf16, budget::fraction(0.2), 700, quick() ? 24 : 64, 1, rope_layout::rotate_half, true};
+  c.items_per_chunk = 8;
+  run_case<paper>(c, 308);
+}

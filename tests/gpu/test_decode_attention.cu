@@ -34,6 +34,7 @@ struct case_spec {
   budget b;
   rope_layout layout = rope_layout::rotate_half;
   int max_len = 2000;
+  int items_per_chunk = 32;  ///< split-K chunk (several chunks per lane at these lengths)
 };
 
 struct built_cache {
@@ -150,7 +151,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   device_buffer<float> d_out(q.size());
   const auto inv = rope::rotary::inverse_frequencies(g.rope, g.head_dim);
   device_buffer<double> d_inv(inv);
-  const int ipc = 32;
+  const int ipc = spec.items_per_chunk;
   const auto ws = kernels::decode_workspace::sizes(L, spec.batch, ipc);
   device_buffer<float> d_o(ws.o / sizeof(float));
   device_buffer<float2> d_ml(ws.ml / sizeof(float2));
@@ -263,4 +264,17 @@ TEST_CASE("decode attention over window-relative keys matches the host backend")
                                                   batch == 32 ? 1200 : 3000},
                                         seed++);
         }
+}
+
+TEST_CASE("decode attention with every split-K chunk size") {
+  // From 8 items (dozens of chunks per lane) to 64 (a few), for every key frame: each chunk's
+  // masses and partial outputs must meet in the merge whichever chunk wrote them.
+  unsigned seed = 9000;
+  for (int ipc : {8, 16, 64}) {
+    CAPTURE(ipc);
+    run_case(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 3000, ipc}, seed++);
+    run_case<cfg_post_rope>(case_spec{64, 8, 7, element_type::f16, budget::fraction(0.05), rope_layout::rotate_half, 3000, ipc}, seed++);
+    run_case<cfg_window_relative>(case_spec{128, 1, 32, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 1200, ipc}, seed++);
+    run_case(case_spec{64, 4, 1, element_type::f16, budget::everything(), rope_layout::rotate_half, 3000, ipc}, seed++);
+  }
 }

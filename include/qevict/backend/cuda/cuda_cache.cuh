@@ -118,8 +118,9 @@ class cuda_cache {
                     "backend::cuda: at most " + std::to_string(kernels::lane_list::capacity) + " layers");
     detail::require(lim.max_batch <= kernels::lane_list::capacity,
                     "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
-    detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64,
-                    "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64]");
+    detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64, [&] {
+      return "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64], got " + std::to_string(set.items_per_chunk);
+    });
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
     // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
     // (budget::with_layer_shares) each layer's region has its own size, and its own cache_params.
