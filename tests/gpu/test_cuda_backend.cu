@@ -27,6 +27,17 @@ using two_tier = qevict::config<>::with_allocator<allocators::two_tier>;
 using post_rope = presets::qevict_post_rope::config_type;
 using window_relative = presets::qevict_window_relative::config_type;
 
+/// One layer, 2 KV heads of 64 channels, GQA 4, bf16: small enough for single-purpose cases.
+geometry small_layer() {
+  geometry g;
+  g.layers = 1;
+  g.kv_heads = 2;
+  g.q_heads = 8;
+  g.head_dim = 64;
+  g.element = element_type::bf16;
+  return g;
+}
+
 }  // namespace
 
 TEST_CASE("CUDA backend matches the host backend") {
@@ -85,12 +96,7 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_fram
 TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
 TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
-  geometry g;
-  g.layers = 1;
-  g.kv_heads = 2;
-  g.q_heads = 8;
-  g.head_dim = 64;
-  g.element = element_type::bf16;
+  const geometry g = small_layer();
   options opt;
   opt.routing = routing_mode::manual;
   twin<paper> t(g, budget::fraction(0.2), limits{.max_batch = 2, .max_tokens = 2048}, opt, 5);
@@ -140,12 +146,7 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
 }
 
 TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
-  geometry g;
-  g.layers = 1;
-  g.kv_heads = 2;
-  g.q_heads = 8;
-  g.head_dim = 64;
-  g.element = element_type::bf16;
+  const geometry g = small_layer();
   const limits lim{.max_batch = 2, .max_tokens = 2048};
   auto make = [&](int items_per_chunk) {
     backend::cuda::settings set;
