@@ -28,15 +28,7 @@ using post_rope = presets::qevict_post_rope::config_type;
 using window_relative = presets::qevict_window_relative::config_type;
 
 /// One layer, 2 KV heads of 64 channels, GQA 4, bf16: small enough for single-purpose cases.
-geometry small_layer() {
-  geometry g;
-  g.layers = 1;
-  g.kv_heads = 2;
-  g.q_heads = 8;
-  g.head_dim = 64;
-  g.element = element_type::bf16;
-  return g;
-}
+geometry small_layer() { return geometry{.layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .element = element_type::bf16}; }
 
 }  // namespace
 
