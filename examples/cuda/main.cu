@@ -5,7 +5,7 @@
 // rounding; the window scores differ by about 1e-6 relative, so two windows whose scores are that
 // close may also be routed differently, which the GPU tests rule out by sharing scores).
 //
-//   qevict_cuda [preset]      preset: qevict (default), qevict_window_relative, h2o, kivi2, zipcache_like
+//   qevict_cuda [preset]      preset: qevict (default), qevict_window_relative, h2o, r1, kivi2, zipcache_like
 //
 // Exits with 77 on a machine without a CUDA device.
 
@@ -158,9 +158,10 @@ int main(int argc, char** argv) {
   if (name == "qevict") rc = run<qevict::presets::qevict>(st);
   else if (name == "qevict_window_relative") rc = run<qevict::presets::qevict_window_relative>(st);
   else if (name == "h2o") rc = run<qevict::presets::h2o>(st);
+  else if (name == "r1") rc = run<qevict::presets::r1>(st);
   else if (name == "kivi2") rc = run<qevict::presets::kivi2>(st);
   else if (name == "zipcache_like") rc = run<qevict::presets::zipcache_like>(st);
-  else std::printf("unknown preset %s (qevict, qevict_window_relative, h2o, kivi2, zipcache_like)\n", name.c_str());
+  else std::printf("unknown preset %s (qevict, qevict_window_relative, h2o, r1, kivi2, zipcache_like)\n", name.c_str());
   QEVICT_CUDA_CHECK(cudaStreamDestroy(st));
   return rc;
 }

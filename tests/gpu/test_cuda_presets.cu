@@ -4,9 +4,9 @@
 // tested for their defining behaviour (tests/presets), identical tables carry that behaviour over.
 //
 // The window sizes the decode kernel handles differently are all covered: W = 1 (h2o, snapkv: one
-// item gathers 8 windows from their Full slots), W = 32 (r4 with records before RoPE, kivi2 with
+// item gathers 8 windows from their Full slots; r1: an item is 8 Full windows or one record), W = 32 (r4 with records before RoPE, kivi2 with
 // records after RoPE: a window is 4 items, its record staged part by part), and W = 2, 4 and 16 in
-// configurations of their own; so are 4-bit codes (kivi4 after RoPE at W = 32, kvquant_like
+// configurations of their own (with and without records); so are 4-bit codes (kivi4 after RoPE at W = 32, kvquant_like
 // before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted), and a
 // quantized top tier (zipcache_like: 4-bit Full windows and 2-bit records in one attention pass).
 //
@@ -81,6 +81,7 @@ TEST_CASE("CUDA backend: every supported preset against the host backend") {
   };
   CHECK(has("h2o"));
   CHECK(has("snapkv"));
+  CHECK(has("r1"));  // W = 1 with records: one record per item
   CHECK(has("r4"));
   CHECK(has("kivi2"));
   // 4-bit codes, after RoPE (kivi4, W = 32) and before it (kvquant_like, W = 8).
@@ -147,6 +148,36 @@ TEST_CASE("CUDA backend: windows of 2, 4 and 16 tokens") {
   run_shapes<four>(budget::fraction(0.10), 2011);
   run_shapes<sixteen>(budget::fraction(0.20), 2021);
   run_shapes<sixteen_relative>(budget::fraction(0.10), 2031);
+}
+
+TEST_CASE("CUDA backend: records of windows shorter than 8 tokens (one record per item), in every key frame") {
+  // r1 (W = 1, before RoPE) runs with the presets above; here W = 2 and 4 with three tiers, records
+  // after RoPE and window-relative ones at W = 1 and 2, 4-bit records at W = 4, and per-KV-head
+  // selection at W = 1, whose 580-byte records leave a padded tail at head_dim 128.
+  namespace keys = quantizers::key_frame;
+  using two = config<>::with_window<window<2, 8, 32>>;
+  using four = config<>::with_window<window<4, 3, 32>>;
+  using one_post = presets::r1::config_type::with_quantizer<quantizers::asymmetric<2, meta::bf16, keys::after_rope>>;
+  using two_relative = two::with_quantizer<quantizers::asymmetric<2, meta::bf16, keys::window_relative>>;
+  using four_int4 = four::with_quantizer<quantizers::asymmetric<4>>;
+  using one_per_head = presets::r1::config_type::with_selection<selection::per_kv_head>;
+  static_assert(backend::cuda_supports<two> && backend::cuda_supports<four> && backend::cuda_supports<one_post> &&
+                backend::cuda_supports<two_relative> && backend::cuda_supports<four_int4> && backend::cuda_supports<one_per_head>);
+  // The records must be attended, or the test would not exercise the one-record items.
+  long long quantized = 0;
+  const auto count = [&](auto& t, sequence_id s, int l, gpu_test::routing_event) { quantized += t.host.counts(s, l).quantized; };
+  unsigned seed = 7001;
+  for (const case_spec& c : shapes(budget::fraction(0.20))) {
+    CAPTURE(c.head_dim);
+    run_case<two>(c, seed++, count);
+    run_case<four>(c, seed++, count);
+    run_case<one_post>(c, seed++, count);
+    run_case<two_relative>(c, seed++, count);
+    run_case<four_int4>(c, seed++, count);
+    run_case<one_per_head>(c, seed++, count);
+  }
+  MESSAGE("Quantized windows after the events: " << quantized);
+  CHECK(quantized > 0);
 }
 
 TEST_CASE("CUDA backend: per-KV-head selection (each KV head ranks, stores and quantizes its own windows)") {

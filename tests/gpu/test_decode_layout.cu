@@ -2,18 +2,21 @@
 // code width and head_dim the CUDA backend supports. These are the invariants its 16-byte copies
 // and its shared-memory slots rely on, which the launcher would otherwise only find on a GPU:
 //   - every section of a region, every Full slot and ledger record, and every 16-byte piece of a
-//     record part that copy_item stages, is 16-byte aligned;
+//     record part that copy_item stages, is 16-byte aligned (4-byte pieces of records shorter
+//     than 8 tokens: 4-byte aligned);
 //   - an item's staged record (8 tokens) fits its shared-memory slot, in front of the per-window
 //     key data the kernel writes behind it;
 //   - the staged offsets are those of an 8-token record, and the window offsets those of the
 //     window's record, for the ledger's records and a quantized top tier's;
-//   - a lane's items are counted the same way for the workspace (max_items) and at run time;
+//   - a lane's items are counted the same way for the workspace (max_items) and at run time, and
+//     a window list has room for any split of its windows between Full slots and records;
 //   - each KV head maps to its routing unit and its place in the unit's slots and records;
 //   - with a budget per layer, each layer's regions lie where the host backend puts them.
 // No kernel is launched: this program runs on machines without a GPU too.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstddef>
 
 #include "qevict/backend/cuda/supports.hpp"
@@ -63,10 +66,19 @@ void check_layouts(int head_dim, const budget& b) {
     CHECK(f.value_codes == window.value_codes_offset());
     CHECK(f.value_scale == window.value_scale_offset());
     CHECK(f.value_zero == window.value_zero_offset());
-    // Records (only W >= 8 keeps them on the CUDA backend): each KV head's record is 16-byte
-    // aligned, and copy_item's pieces of part k (key codes, key scales and zeros, value codes,
-    // value scales, value zeros) are whole 16-byte pieces at 16-byte aligned offsets.
-    if (W >= 8) {
+    // Records of W >= 8 tokens: each KV head's record is 16-byte aligned, and copy_item's pieces
+    // of part k (key codes, key scales and zeros, value codes, value scales, value zeros) are whole
+    // 16-byte pieces at 16-byte aligned offsets. Records of W < 8 tokens are copied in 4-byte
+    // pieces (the value scales and zeros 2 bytes at a time): each piece is 4-byte aligned.
+    if (W < 8) {
+      CHECK(f.head_bytes % 4 == 0);
+      CHECK(static_cast<std::size_t>(W) * head_dim * Q::bits / 8 % 4 == 0);
+      CHECK(f.key_scale % 4 == 0);
+      CHECK(f.value_codes % 4 == 0);
+      CHECK(f.staged_key_scale % 4 == 0);
+      CHECK(f.staged_value_codes % 4 == 0);
+      CHECK(f.value_zero == f.value_scale + 2 * static_cast<std::size_t>(W));
+    } else {
       CHECK(f.head_bytes % 16 == 0);
       const std::size_t part_codes = 8 * static_cast<std::size_t>(head_dim) * Q::bits / 8;
       CHECK(part_codes % 16 == 0);
@@ -95,6 +107,16 @@ void check_layouts(int head_dim, const budget& b) {
   CHECK(L.max_items == L.items_for(L.entries_per_lane, p.recent_capacity));
   CHECK(L.listed_items(L.entries_per_lane) == (W >= 8 ? L.entries_per_lane * (W / 8) : (L.entries_per_lane + 8 / W - 1) / (8 / W)));
   CHECK(L.items_for(0, 0) == (p.sinks > 0 ? 1 : 0));
+  // A list holds any split of its windows between the tiers: with W < 8 and records, the Full
+  // windows padded to whole items and one item per record (decode_layout::record_entries).
+  const int S = W >= 8 ? 1 : 8 / W;
+  CHECK(L.record_entries == (W < 8 && p.caps.quantized > 0 ? S : 1));
+  const int n_full = static_cast<int>(std::min<std::size_t>(p.caps.full, p.max_windows));
+  const int n_records = static_cast<int>(std::min<std::size_t>(p.caps.quantized, p.max_windows - n_full));
+  const int needed = L.record_entries == 1 ? n_full + n_records : (n_full + S - 1) / S * S + S * n_records;
+  CHECK(needed <= L.entries_per_lane);
+  CHECK(L.listed_items(needed) == (L.record_entries == 1 ? L.listed_items(n_full + n_records) : (n_full + S - 1) / S + n_records));
+  CHECK(L.listed_items(L.max_entries_for(n_full + n_records)) >= L.listed_items(needed));
   // Routing units: the whole layer, or one KV head each.
   CHECK(L.units == p.units);
   CHECK(L.units * L.heads_per_unit == g.kv_heads);
@@ -122,6 +144,11 @@ TEST_CASE("decode_layout: alignment, staged records and item counts for every wi
     check_layouts<presets::h2o::config_type>(d, budget::fraction(0.2));
     check_layouts<config<>::with_window<window<2, 8, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
     check_layouts<config<>::with_window<window<4, 3, 32>>::with_allocator<allocators::two_tier>>(d, budget::fraction(0.2));
+    // Records of windows shorter than 8 tokens: r1 (W = 1), and three tiers at W = 2 and 4.
+    check_layouts<presets::r1::config_type>(d, budget::fraction(0.2));
+    check_layouts<config<>::with_window<window<2, 8, 32>>>(d, budget::fraction(0.2));
+    check_layouts<presets::r1::config_type::with_selection<selection::per_kv_head>>(d, budget::fraction(0.2));  // tail padding
+    check_layouts<config<>::with_window<window<4, 3, 32>>::with_selection<selection::per_kv_head>>(d, budget::fraction(0.2));
     check_layouts<presets::adakv::config_type>(d, budget::fraction(0.2));
     check_layouts<presets::criticalkv::config_type>(d, budget::fraction(0.2));
     check_layouts<config<>::with_selection<selection::per_kv_head>>(d, budget::fraction(0.2));

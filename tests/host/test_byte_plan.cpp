@@ -6,6 +6,7 @@
 #include <qevict/cache.hpp>
 #include <qevict/core/layout.hpp>
 #include <qevict/policies/allocators.hpp>
+#include <qevict/presets.hpp>
 
 namespace {
 
@@ -140,4 +141,61 @@ TEST_CASE("region plan: W = 1, f32, INT4 with f32 metadata") {
   CHECK(small.caps.full == 2);       // floor(164 / 64)
   CHECK(small.caps.quantized == 2);  // floor(164 / 80)
   CHECK(small.region_bytes == 96 + 128 + 448 + 2 * 64 + 2 * 80);
+}
+
+TEST_CASE("region plan: a region ends on 16 bytes; a W = 1 record of 580 bytes can leave a tail, counted in the tables term") {
+  // r1 with one KV head per routing unit: the ledger holds records of 580 bytes (key codes 32, key
+  // scales and zeros 2 * 256, value codes 32, value scale and zero 2 * 2), so K_q records end on a
+  // multiple of 16 bytes only when K_q is a multiple of 4.
+  using cfg = qevict::presets::r1::config_type::with_selection<qevict::selection::per_kv_head>;
+  const qevict::geometry g{.layers = 1, .q_heads = 4, .kv_heads = 2, .head_dim = 128, .element = qevict::element_type::bf16};
+  const qevict::limits lim{.max_batch = 1, .max_tokens = 1024};
+  int padded = 0;
+  for (std::size_t bytes = 1'500'000; bytes < 1'500'000 + 8 * 580; bytes += 4) {
+    CAPTURE(bytes);
+    const qevict::region_plan p = qevict::make_region_plan<cfg>(g, qevict::budget::bytes_per_sequence_layer(bytes), lim);
+    REQUIRE(p.quantized_window_bytes() == 580);
+    CHECK(p.region_bytes % 16 == 0);
+    CHECK(p.region_bytes <= p.budget_bytes);
+    CHECK(p.ledger_end() == p.ledger_offset + p.caps.quantized * 580);
+    CHECK(p.tail_padding_bytes() == (16 - p.ledger_end() % 16) % 16);
+    const qevict::byte_terms r = p.reserved();
+    CHECK(r.tables == p.table_bytes() + p.tail_padding_bytes());
+    CHECK(r.total() == p.region_bytes);
+    // Eq. 3's K_q, or one less where its padded end would pass the budget.
+    const qevict::capacities eq3 = cfg::allocator::split(p.hist_bytes, p.full_window_bytes, 580, p.table_entries());
+    CHECK(p.caps.full == eq3.full);
+    const std::size_t eq3_end = p.ledger_offset + eq3.quantized * 580;
+    if ((eq3_end + 15) / 16 * 16 <= p.budget_bytes) {
+      CHECK(p.caps.quantized == eq3.quantized);
+    } else {
+      CHECK(p.caps.quantized == eq3.quantized - 1);
+    }
+    if (p.tail_padding_bytes() != 0) ++padded;
+  }
+  CHECK(padded > 0);  // (otherwise the loop would test little)
+  // A budget whose Eq. 3 capacities leave less room than their padding: found by Eq. 3 alone, then
+  // the plan must keep one record less.
+  const qevict::region_plan base = qevict::make_region_plan<cfg>(g, qevict::budget::bytes_per_sequence_layer(1'500'000), lim);
+  const std::size_t fixed = base.budget_bytes - base.hist_bytes;
+  std::size_t tight = 0;
+  for (std::size_t bytes = 1'500'000; bytes < 3'500'000 && tight == 0; ++bytes) {
+    const qevict::capacities c = cfg::allocator::split(bytes - fixed, base.full_window_bytes, 580, base.table_entries());
+    const std::size_t end = fixed + c.full * base.full_window_bytes + c.quantized * 580;
+    if ((end + 15) / 16 * 16 > bytes) tight = bytes;
+  }
+  REQUIRE(tight != 0);
+  CAPTURE(tight);
+  const qevict::region_plan t = qevict::make_region_plan<cfg>(g, qevict::budget::bytes_per_sequence_layer(tight), lim);
+  const qevict::capacities eq3 = cfg::allocator::split(t.hist_bytes, t.full_window_bytes, 580, t.table_entries());
+  CHECK(t.caps.full == eq3.full);
+  CHECK(t.caps.quantized == eq3.quantized - 1);
+  CHECK(t.region_bytes % 16 == 0);
+  CHECK(t.region_bytes <= t.budget_bytes);
+  CHECK(t.reserved().total() == t.region_bytes);
+  // everything() grows by the padding instead of dropping a record.
+  const qevict::region_plan e = qevict::make_region_plan<cfg>(g, qevict::budget::everything(), lim);
+  CHECK(e.caps.full == e.table_entries());
+  CHECK(e.region_bytes % 16 == 0);
+  CHECK(e.region_bytes <= e.budget_bytes);
 }

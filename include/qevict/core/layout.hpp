@@ -87,6 +87,14 @@ struct region_plan {
   /// Padded to 16 bytes so that every later section starts 16-byte aligned (device kernels load
   /// 16 bytes at a time); the padding is counted here, in the tables term.
   constexpr std::size_t table_bytes() const { return (table_entries() * sizeof(window_record) + 15u) & ~std::size_t{15}; }
+  /// Where the ledger ends; the region ends at the next multiple of 16 bytes.
+  constexpr std::size_t ledger_end() const { return ledger_offset + caps.quantized * quantized_window_bytes(); }
+  /// Regions lie end to end (sequence-major, then layer), so a region is a multiple of 16 bytes too:
+  /// records of windows shorter than 8 tokens (e.g. 580 bytes a head at head_dim 128 and W = 1)
+  /// can leave a tail of up to 12 bytes, counted in the tables term with the table's own padding.
+  constexpr std::size_t tail_padding_bytes() const { return region_bytes - ledger_end(); }
+  /// The tables term: the window table and both paddings.
+  constexpr std::size_t table_term_bytes() const { return table_bytes() + tail_padding_bytes(); }
   constexpr std::size_t quantized_window_bytes() const { return record.window_bytes(); }
   /// Windows that hold at least one of `tokens` tokens (complete or not).
   constexpr int windows_started(int tokens) const { return qevict::windows_started(tokens, sinks, window); }
@@ -96,7 +104,7 @@ struct region_plan {
     byte_terms t;
     t.sink = sink_bytes();
     t.recent = recent_bytes();
-    t.tables = table_bytes();
+    t.tables = table_term_bytes();
     t.full = caps.full * full_window_bytes;
     t.quantized_codes = caps.quantized * record.code_bytes();
     t.quantized_metadata = caps.quantized * record.metadata_bytes();
@@ -183,6 +191,20 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   // Never reserve more than the windows that can exist.
   p.caps.full = std::min(p.caps.full, p.table_entries());
   p.caps.quantized = std::min(p.caps.quantized, p.table_entries());
+  // The region ends on a multiple of 16 bytes (tail_padding_bytes). Where that padding does not fit,
+  // everything() grows by it and any other budget keeps a record (or a Full window) less.
+  const auto padded = [](std::size_t n) { return (n + 15u) & ~std::size_t{15}; };
+  const auto padded_end = [&] { return padded(fixed + p.caps.full * p.full_window_bytes + p.caps.quantized * p.quantized_window_bytes()); };
+  if (padded_end() > p.budget_bytes) {
+    if (b.what() == budget::kind::everything) {
+      p.budget_bytes = padded_end();
+      p.hist_bytes = p.budget_bytes - fixed;
+    }
+    while (padded_end() > p.budget_bytes) {
+      if (p.caps.quantized > 0) --p.caps.quantized;
+      else --p.caps.full;
+    }
+  }
   if constexpr (A::keeps_everything) {
     if (p.caps.full + p.caps.quantized < p.table_entries()) {
       // The least history the allocator's own split turns into a tier for every window.
@@ -207,7 +229,7 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.recent_offset = p.sink_offset + p.sink_bytes();
   p.full_offset = p.recent_offset + p.recent_bytes();
   p.ledger_offset = p.full_offset + p.caps.full * p.full_window_bytes;
-  p.region_bytes = p.ledger_offset + p.caps.quantized * p.quantized_window_bytes();
+  p.region_bytes = padded(p.ledger_end());
   detail::require(p.region_bytes <= p.budget_bytes, "internal: region plan exceeds its budget");
   return p;
 }

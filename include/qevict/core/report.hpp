@@ -45,7 +45,7 @@ inline void add_lane(layer_report& lr, const region_plan& p, const tier_counts& 
   lr.used.quantized_codes += c.quantized * p.record.code_bytes();
   lr.used.quantized_metadata += c.quantized * p.record.metadata_bytes();
   lr.used.ledger_copies += c.ledger_copies * p.quantized_window_bytes();
-  lr.used.tables += p.table_bytes();
+  lr.used.tables += p.table_term_bytes();
   lr.reserved += p.reserved();
   lr.budget_bytes += p.budget_bytes;
   lr.full_cache_bytes += static_cast<std::size_t>(tokens) * p.token_bytes;

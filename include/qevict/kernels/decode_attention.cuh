@@ -165,6 +165,12 @@ struct decode_layout {
   /// (full_tier::quantized_as; full_format.bits == 0: a Full slot holds token rows).
   record_format ledger_format{}, full_format{};
   int entries_per_lane = 0;  ///< capacity of one window list (one lane and unit)
+  /// List entries one Quantized window takes: 1, or windows_per_item() when W < 8 and the layer
+  /// keeps records. Then a record is an item of its own (its W tokens; the item's other tokens do not
+  /// exist), and a list is [the Full windows, padded to a multiple of 8/W entries][each Quantized
+  /// window followed by 8/W - 1 padding entries], padding being window -1: item i still covers the
+  /// entries [i * 8/W, (i + 1) * 8/W), and holds 8/W Full windows or one record.
+  int record_entries = 1;
   int max_items = 0;  ///< items a lane can have: sink group + listed windows' items + recent items
   /// How attention turns a record's dequantized keys into the query's frame.
   record_rotation records = record_rotation::each_key;
@@ -185,6 +191,18 @@ struct decode_layout {
   constexpr void set_list_capacity(int entries) {
     entries_per_lane = entries;
     max_items = items_for(entries, recent_capacity);
+  }
+  /// The most entries a list can have once `aged` windows have aged (each is listed at most once).
+  constexpr int max_entries_for(int aged) const {
+    return entries_per_lane < record_entries * aged ? entries_per_lane : record_entries * aged;
+  }
+  /// The entries one list needs for k_full Full and k_quantized Quantized units (any of which one
+  /// unit can hold, up to the windows that exist).
+  constexpr int list_entries_for(std::size_t k_full, std::size_t k_quantized, int max_windows) const {
+    const std::size_t n = static_cast<std::size_t>(max_windows), r = static_cast<std::size_t>(record_entries);
+    const std::size_t f = std::min(k_full, n), q = std::min(k_quantized, n);
+    if (r == 1) return static_cast<int>(std::min(f + q, n));
+    return static_cast<int>(std::min((f + r - 1) / r * r + r * q, r * n));
   }
 
   /// The layout of `p` for a cache whose RoPE layout is `pairs` and whose records need
@@ -211,8 +229,9 @@ struct decode_layout {
     d.record_bytes = p.record.window_bytes();
     d.ledger_format = record_format::of(p.record);
     if (p.full_record.bits != 0) d.full_format = record_format::of(p.full_record);
+    d.record_entries = p.window < 8 && p.caps.quantized > 0 ? d.windows_per_item() : 1;
     // Caps count units of the whole layer, so one unit can hold up to all of them.
-    d.set_list_capacity(static_cast<int>(std::min<std::size_t>(p.caps.full + p.caps.quantized, p.max_windows)));
+    d.set_list_capacity(d.list_entries_for(p.caps.full, p.caps.quantized, p.max_windows));
     return d;
   }
 
@@ -361,13 +380,24 @@ __device__ __forceinline__ item_view describe_item(const decode_layout& L, const
         v.base = at.ledger + static_cast<std::size_t>(~e.slot) * L.record_bytes;
       }
     } else {
-      // Full windows only (the CUDA backend keeps no records for W < 8).
+      // 8/W Full windows, gathered from their slots, or one ledger record of W tokens
+      // (decode_layout::record_entries: the padding entries behind either have window -1).
       constexpr int per_item = 8 / W;
-      const int first = i * per_item, n = min(per_item, n_entries - first);
+      const int first = i * per_item;
+      const window_entry e0 = entries[first];
+      v.window = e0.window;
+      if (e0.slot < 0) {
+        v.kind = 2;
+        v.valid = W;
+        v.base = at.ledger + static_cast<std::size_t>(~e0.slot) * L.record_bytes;
+        return v;
+      }
+      int n = 0;
+      for (int k = 0; k < min(per_item, n_entries - first); ++k)
+        if (entries[first + k].window >= 0) n = k + 1;
       v.kind = 3;
       v.capacity = W;
       v.valid = n * W;
-      v.window = entries[first].window;
       for (int r = 0; r < n * W; ++r) {
         const window_entry e = entries[first + r / W];
         rows[r] = static_cast<std::uint32_t>(at.full + static_cast<std::size_t>(e.slot) * L.full_window_bytes +
@@ -468,6 +498,27 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
     if constexpr (W == 8) {
       const int pieces = static_cast<int>(f.head_bytes / 16);
       for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
+    } else if constexpr (W < 8) {
+      // A whole W-token record (decode_layout::record_entries), into the first W tokens of the
+      // staged layout. Such records are 4-byte aligned only (580 bytes a head at head_dim 128 and
+      // W = 1): key codes, key scales and zeros and value codes in 4-byte pieces, the value scales
+      // and zeros (2 bytes a token) one by one. Tokens W..7 get scale and zero 0, so that their
+      // zero probability meets no stale value; their stale codes are finite integers.
+      const int codes = W * D * f.bits / 32;  // 4-byte pieces of the W tokens' codes
+      constexpr int meta = 2 * D * 2 / 4;     // key scales and zeros, bf16
+      for (int q = lane_id; q < 2 * codes + meta; q += 32) {
+        std::size_t src, to;
+        if (q < codes) src = to = 4 * static_cast<std::size_t>(q);
+        else if (q < codes + meta) src = f.key_scale + 4 * (q - codes), to = f.staged_key_scale + 4 * (q - codes);
+        else src = f.value_codes + 4 * (q - codes - meta), to = f.staged_value_codes + 4 * (q - codes - meta);
+        warp::cp_async4(dst + to, it.base + src);
+      }
+      if (lane_id < 16) {
+        const int j = lane_id & 7;
+        const bool zero = lane_id >= 8;
+        const std::uint16_t x = j < W ? *reinterpret_cast<const std::uint16_t*>(it.base + (zero ? f.value_zero : f.value_scale) + 2 * j) : 0;
+        *reinterpret_cast<std::uint16_t*>(dst + (zero ? f.staged_value_zero : f.staged_value_scale) + 2 * j) = x;
+      }
     } else {
       // Part `it.part` of a W-token record, into the staged 8-token layout: its key codes, the
       // window's key scales and zeros, its value codes, its 8 value scales and 8 value zeros.
@@ -1234,6 +1285,8 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       const int n_items = items_of<W>(L, lane, n_entries);
       const bool listed = i < n_entries;
       const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
+      const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
+      if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
       const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
       const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
       float mass = 0.f;
@@ -1246,7 +1299,6 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
         }
       }
       mass /= static_cast<float>(HQ / L.units);
-      const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
       window_record& rec = table[w * L.units + u];
       rec.score = Scorer::accumulate(rec.score, mass);
     }

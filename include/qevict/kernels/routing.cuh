@@ -254,26 +254,43 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     }
   }
   __syncthreads();
-  // Each unit's window list (window order), and after_routing on every live entry (each entry is
-  // visited once, by the pass over its unit).
+  // Each unit's window list in window order, and after_routing on every live entry (each entry is
+  // visited once, by the first pass over its unit). With records of windows shorter than 8 tokens
+  // (L.record_entries > 1) a second pass lists the Quantized windows after the Full ones, each
+  // followed by padding, and the Full ones are padded to whole items (decode_layout::record_entries).
   {
+    const int R = L.record_entries;
+    constexpr window_entry padding{-1, 0};
     for (int u = 0; u < U; ++u) {
       const std::size_t list = static_cast<std::size_t>(l) * U + u;
+      window_entry* out = S.entries + list * L.entries_per_lane;
       int carry = 0;
-      for (int base = 0; base < started; base += blockDim.x) {
-        const int w = base + threadIdx.x;
-        bool f[1] = {false};
-        window_record rec{};
-        if (w < started) {
-          rec = table[w * U + u];
-          const tier t = tier_of(rec, w < aged_after);
-          f[0] = t == tier::full || t == tier::quantized;
-          if (t != tier::evicted) table[w * U + u].score = Scorer::after_routing(rec.score);
+      for (int pass = 0; pass < (R > 1 ? 2 : 1); ++pass) {
+        const int span = pass == 1 ? R : 1;  // entries per listed window
+        for (int base = 0; base < started; base += blockDim.x) {
+          const int w = base + threadIdx.x;
+          bool f[1] = {false};
+          window_record rec{};
+          if (w < started) {
+            rec = table[w * U + u];
+            const tier t = tier_of(rec, w < aged_after);
+            f[0] = R == 1 ? (t == tier::full || t == tier::quantized) : t == (pass == 0 ? tier::full : tier::quantized);
+            if (pass == 0 && t != tier::evicted) table[w * U + u].score = Scorer::after_routing(rec.score);
+          }
+          int rank[1], total[1];
+          tile_scan<1>(f, rank, total, warp_sums);
+          if (f[0]) {
+            const int at = carry + span * rank[0];
+            out[at] = window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
+            for (int k = 1; k < span; ++k) out[at + k] = padding;
+          }
+          carry += span * total[0];
         }
-        int rank[1], total[1];
-        tile_scan<1>(f, rank, total, warp_sums);
-        if (f[0]) S.entries[list * L.entries_per_lane + carry + rank[0]] = window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
-        carry += total[0];
+        if (R > 1 && pass == 0) {
+          const int whole = (carry + R - 1) / R * R;
+          for (int e = carry + threadIdx.x; e < whole; e += blockDim.x) out[e] = padding;
+          carry = whole;
+        }
       }
       if (threadIdx.x == 0) S.entry_counts[list] = carry;
     }

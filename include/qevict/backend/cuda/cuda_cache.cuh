@@ -85,8 +85,8 @@ class cuda_cache {
   using W = typename Config::window_policy;
   using support = cuda_support<Config>;  // the conditions, written once in supports.hpp
   static_assert(support::short_windows,
-                "qevict::backend::cuda: unsupported window policy for this allocator: windows shorter than 8 tokens need "
-                "a two-tier allocator (allocators::two_tier: no quantized records) and a top tier of token rows on the CUDA backend");
+                "qevict::backend::cuda: unsupported window policy for this full-tier policy: windows shorter than 8 tokens "
+                "need a top tier of token rows (full_tier::full_precision) on the CUDA backend");
   static_assert(support::sinks, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(support::quantizer,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<Bits, meta::bf16, KeyFrame> with "
@@ -340,7 +340,7 @@ class cuda_cache {
       const int l = lane_index(seqs[b], layer);
       list.lane[b] = l;
       const mirror& m = mirrors_[static_cast<std::size_t>(l)];
-      max_items = std::max(max_items, P.L.items_for(std::min(P.L.entries_per_lane, m.aged),
+      max_items = std::max(max_items, P.L.items_for(P.L.max_entries_for(m.aged),
                                                      std::max(0, m.tokens - plan_.sinks - m.aged * plan_.window)));
     }
     kernels::detail::attend_prologue_kernel<<<1, 1024, 0, set_.stream>>>(P, S_, list, q);

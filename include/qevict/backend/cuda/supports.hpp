@@ -37,11 +37,10 @@ struct cuda_support {
     if constexpr (quantized_top) return full_quantizer::bits;
     else return 0;
   }();
-  /// Every window size of the window policy (1, 2, 4, 8, 16, 32) maps onto items of 8 tokens, but
-  /// windows shorter than an item are gathered from Full slots of token rows: their records (in
-  /// the ledger or in a quantized top tier) are not supported.
-  static constexpr bool short_windows =
-      Config::window_policy::size >= 8 || (Config::allocator::quantized_percent == 0 && !quantized_top);
+  /// Every window size of the window policy (1, 2, 4, 8, 16, 32) maps onto items of 8 tokens:
+  /// windows shorter than an item are gathered from Full slots of token rows, or read one ledger
+  /// record per item; a quantized top tier needs windows of at least 8 tokens.
+  static constexpr bool short_windows = Config::window_policy::size >= 8 || !quantized_top;
   /// INT2 or INT4 codes with bf16 scale and zero (INT4 not in the window-relative frame).
   static constexpr bool quantizer = cuda_detail::kernel_quantizer<typename Config::quantizer>::value;
   /// Token rows, or records of a kernel quantizer in the ledger's key frame, not window-relative
