@@ -11,7 +11,8 @@
 // (selection::per_kv_head: each KV head keeps its own windows, in Full slots and ledger records
 // of its own). The kernel sees one virtual list of "items" of 8 tokens per lane and KV head:
 //   [the sink group] [the listed windows' items] [the recent region's items]
-// (a window of W >= 8 tokens is W/8 items; with W < 8 an item gathers 8/W listed windows).
+// (a window of W >= 8 tokens is W/8 items; with W < 8 an item gathers 8/W listed Full windows, or
+// holds one ledger record: decode_layout::record_entries).
 // A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
 // each of its four warps takes two items at a time and streams its own items through shared
 // memory: 16-byte cp.async copies (zero-filled where a token does not exist) into rows padded by
@@ -134,9 +135,10 @@ struct record_format {
 ///
 /// Items. The kernel works on items of 8 tokens whatever the window size W (1, 2, 4, 8, 16 or 32):
 /// a window of W >= 8 tokens is W/8 items (its parts), and with W < 8 one item gathers the tokens
-/// of 8/W consecutive listed windows (each from its own Full slot). A part of a quantized record
-/// is staged in shared memory in the layout of an 8-token record (its key metadata, shared by the
-/// window's tokens, copied into every part), so the compute never sees W.
+/// of 8/W consecutive listed Full windows (each from its own Full slot) or holds one ledger record
+/// (record_entries). A part of a quantized record, or a record shorter than 8 tokens, is staged in
+/// shared memory in the layout of an 8-token record (its key metadata, shared by the window's
+/// tokens, copied into every part), so the compute never sees W.
 struct decode_layout {
   int kv_heads = 0, group = 0, head_dim = 0, window = 0, sinks = 0, recent_capacity = 0;
   /// Where the regions of this layout's layer lie: lane l (sequence l / layers, this layer) at
@@ -311,7 +313,7 @@ __device__ __forceinline__ float exp2_sfu(float x) {
 
 /// One item (8 tokens) as a warp sees it.
 struct item_view {
-  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a ledger record,
+  int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a ledger record (W < 8: all of it),
                    // 3: token rows gathered from the Full slots of 8/W windows (W < 8),
                    // 4: part of a Full slot's record (a quantized top tier)
   const std::uint8_t* base;  // rows: the block's base for this KV head; records: the record's head base
