@@ -7,12 +7,16 @@
 // around each part; medians over the rounds. Also checks that a decode step and a routing event
 // can be captured in a CUDA graph (no allocation or synchronization inside).
 //   routing_cost [rounds]      prints a markdown table
+//   routing_cost rounds w1     the paper's config against r1 (W = 1: one ledger record per decode
+//                              item) at 16K tokens, the most a W = 1 table may have for routing's
+//                              shared-memory sort
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include "qevict/backend/cuda.cuh"
@@ -39,8 +43,8 @@ float* upload_random(std::size_t n, unsigned seed, float sd) {
 }
 
 template <class Config>
-void run(const char* frame, double fraction, int rounds, cudaStream_t st) {
-  const int batch = 32, context = 32768, prompt = context - 1024;
+void run(const char* frame, double fraction, int rounds, cudaStream_t st, int context = 32768) {
+  const int batch = 32, prompt = context - 1024;
   geometry g;
   g.layers = 1;
   g.q_heads = 32;
@@ -127,12 +131,22 @@ int main(int argc, char** argv) {
     return 77;
   }
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 20;
+  const bool w1 = argc > 2 && std::string_view(argv[2]) == "w1";
   cudaStream_t st;
   QEVICT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  std::printf("| key frame | batch | context | budget | windows of seq 0 (full / quantized / evicted) | 8 attends [ms] | 8 × (append + attend) [ms] | routing event [ms] | routing / 8 attends | routing / 8 steps |\n");
+  std::printf("| %s | batch |", w1 ? "config" : "key frame");
+  std::printf(" context | budget | windows of seq 0 (full / quantized / evicted) | 8 attends [ms] | 8 × (append + attend) [ms] | routing event [ms] | routing / 8 attends | routing / 8 steps |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   using window_relative = presets::qevict_window_relative::config_type;
   using post_rope = presets::qevict_post_rope::config_type;
+  if (w1) {
+    for (double f : {0.20, 0.05}) {
+      run<config<>>("qevict (W = 8)", f, rounds, st, 16384);
+      run<presets::r1::config_type>("r1 (W = 1)", f, rounds, st, 16384);
+    }
+    cudaStreamDestroy(st);
+    return 0;
+  }
   for (double f : {0.20, 0.05}) {
     run<config<>>("before RoPE (paper)", f, rounds, st);
     run<window_relative>("window-relative", f, rounds, st);
