@@ -1,7 +1,7 @@
 // One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
-//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post]
+//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass]
 // (BUDGET 0 = every window Full; the records' key frame: before RoPE (default), relative to the
-// window's start, after RoPE).
+// window's start, after RoPE; with window mass (default) or without).
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
@@ -12,7 +12,7 @@
 int main(int argc, char** argv) {
   using namespace qevict;
   if (argc < 4) {
-    std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK]\n");
+    std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass]\n");
     return 2;
   }
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
@@ -20,21 +20,25 @@ int main(int argc, char** argv) {
   const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
   const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
   const std::string frame = argc > 6 ? argv[6] : "pre";
+  const bool mass = !(argc > 7 && std::string(argv[7]) == "nomass");
   const geometry g = bench::llama_layer();
   bench::decode_state s = frame == "post"       ? bench::make_state<bench::post_rope>(g, batch, context, f, ipc)
                           : frame == "relative" ? bench::make_state<bench::window_relative>(g, batch, context, f, ipc)
                                                 : bench::make_state(g, batch, context, f, ipc);
   const kernels::decode_arguments a = s.arguments();
-  auto step = [&] { kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr); };
+  auto step = [&] {
+    if (mass) kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr);
+    else kernels::decode_attention<false, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr);
+  };
   if (reps == 0) {
     step();
     QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
     return 0;
   }
   const float ms = bench::median_ms(step, 5, reps);
-  std::printf("{\"impl\": \"%s\", \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
+  std::printf("{\"impl\": \"%s\", \"mass\": %s, \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
               "\"bytes\": %zu, \"tbps\": %.3f}\n",
-              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
+              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", mass ? "true" : "false", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
   s.release();
   return 0;
 }

@@ -871,6 +871,15 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
   const long long position = lane.first_position + lane.tokens - 1;
   const int hq = L.kv_heads * L.group;
   const float scale = log2e * rsqrtf(static_cast<float>(D));
+  // Every query head turns by the same D/2 angles: each is computed once (a double-precision
+  // reduction and sincosf) rather than once per head.
+  __shared__ float2 cs_s[D / 2];
+  for (int p = threadIdx.x; p < D / 2; p += blockDim.x) {
+    float c, s;
+    thread::rope_cos_sin(position, A.inv_freq[p], c, s);
+    cs_s[p] = make_float2(c, s);
+  }
+  __syncthreads();
   for (int e = threadIdx.x; e < hq * (D / 2); e += blockDim.x) {
     const int qh = e / (D / 2), p = e % (D / 2);
     int ia, ib;
@@ -878,8 +887,7 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
     else { ia = p; ib = p + D / 2; }
     const float* q = A.q + (static_cast<std::size_t>(b) * hq + qh) * D;
     float* r = A.q_rotated + (static_cast<std::size_t>(b) * hq + qh) * D;
-    float c, s;
-    thread::rope_cos_sin(position, A.inv_freq[p], c, s);
+    const float c = cs_s[p].x, s = cs_s[p].y;
     const float x0 = q[ia], x1 = q[ib];
     r[ia] = (x0 * c - x1 * s) * scale;
     r[ib] = (x0 * s + x1 * c) * scale;
@@ -1247,22 +1255,39 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   for (int h = threadIdx.x; h < L.kv_heads; h += blockDim.x)
     chunks_s[h] = (items_of<W>(L, lane, A.entry_counts[list_of(L, lane_index, h)]) + A.items_per_chunk - 1) / A.items_per_chunk;
   __syncthreads();
-  for (int qh = threadIdx.x; qh < HQ; qh += blockDim.x) {
-    const int h = qh / G, hg = qh % G, n_chunks = chunks_s[h];
+  // Each query head's log-sum-exp over its chunks: a group of `span` lanes per head (the chunk
+  // count rounded up to a power of two, at most a warp), each lane over every span-th chunk, so
+  // that the loads of all chunks are in flight at once; one thread per head would wait out an L2
+  // round trip per chunk, twice, on the step's critical path. Every lane runs every round (its
+  // group's head may not exist), so that the shuffles see whole warps.
+  int span = 1;
+  while (span < 32 && span < A.max_chunks) span <<= 1;
+  const int sub = threadIdx.x & (span - 1), groups = blockDim.x / span;
+  for (int round = 0; round < HQ; round += groups) {
+    const int qh = round + static_cast<int>(threadIdx.x) / span;
+    const bool head = qh < HQ;
+    const int h = head ? qh / G : 0, hg = head ? qh % G : 0, n_chunks = head ? chunks_s[h] : 0;
     const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
-    float M = -INFINITY, S = 0.f;
-    for (int c = 0; c < n_chunks; ++c) {
-      const float2 ml = A.part_ml[(row0 + c) * G + hg];
-      if (ml.x == -INFINITY) continue;
-      if (ml.x > M) {
-        S = S * exp2_sfu(M - ml.x) + ml.y;
-        M = ml.x;
+    float M = -INFINITY, S = 0.f;  // running (max, sum of exp2(m - max) * l)
+    auto add = [&](float m, float l) {
+      if (m == -INFINITY) return;
+      if (m > M) {
+        S = S * exp2_sfu(M - m) + l;
+        M = m;
       } else {
-        S += ml.y * exp2_sfu(ml.x - M);
+        S += l * exp2_sfu(m - M);
       }
+    };
+    for (int c = sub; c < n_chunks; c += span) {
+      const float2 ml = A.part_ml[(row0 + c) * G + hg];
+      add(ml.x, ml.y);
+    }
+    for (int o = span / 2; o > 0; o >>= 1) {
+      const float m = __shfl_xor_sync(0xffffffffu, M, o), l = __shfl_xor_sync(0xffffffffu, S, o);
+      add(m, l);
     }
     const float lse = M + log2f(S);
-    for (int c = 0; c < n_chunks; ++c) {
+    for (int c = sub; c < n_chunks; c += span) {
       const float m = A.part_ml[(row0 + c) * G + hg].x;
       factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
     }
