@@ -1316,18 +1316,26 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
       const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
       const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
+      window_record& rec = table[w * L.units + u];
+      const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
+      // The unit's heads in order, each over its query heads (unrolled so that the loads of
+      // several heads are in flight together; the order of the additions is unchanged).
+      const std::size_t head_stride = static_cast<std::size_t>(A.max_chunks) * A.items_per_chunk * S * G;
       float mass = 0.f;
       for (int p = 0; p < P && item0 + p < n_items; ++p) {
         const int li = item0 + p, c = li / A.items_per_chunk;
-        for (int h = u * hu; h < (u + 1) * hu; ++h) {
-          const float* pm = A.part_mass +
-                            (((static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
-          for (int hg = 0; hg < G; ++hg) mass += pm[hg] * factor_s[c * HQ + h * G + hg];
+        const float* pm = A.part_mass +
+                          (((static_cast<std::size_t>(b) * L.kv_heads + u * hu) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
+        const float* f = factor_s + c * HQ + u * hu * G;
+#pragma unroll 8
+        for (int k = 0; k < hu; ++k) {
+#pragma unroll
+          for (int hg = 0; hg < 8; ++hg)
+            if (hg < G) mass += pm[k * head_stride + hg] * f[k * G + hg];
         }
       }
       mass /= static_cast<float>(HQ / L.units);
-      window_record& rec = table[w * L.units + u];
-      rec.score = Scorer::accumulate(rec.score, mass);
+      rec.score = Scorer::accumulate(score, mass);
     }
   }
 
