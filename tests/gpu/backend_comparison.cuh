@@ -50,6 +50,13 @@ struct case_spec {
   int items_per_chunk = 64;  ///< the CUDA backend's decode split-K chunk (cuda_settings)
 };
 
+/// The CUDA backend's settings with a given decode split-K chunk (the default stream).
+inline qevict::backend::cuda::settings with_chunk(int items_per_chunk) {
+  qevict::backend::cuda::settings set;
+  set.items_per_chunk = items_per_chunk;
+  return set;
+}
+
 struct worst_error {
   double out = 0, prefill_out = 0, score = 0;
   long long routing_events = 0, tables_compared = 0;
@@ -86,11 +93,6 @@ struct twin {
 
   static std::byte* aligned(std::vector<std::byte>& v) {
     return reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t{63});
-  }
-  static qevict::backend::cuda::settings with_chunk(int items_per_chunk) {
-    qevict::backend::cuda::settings set;
-    set.items_per_chunk = items_per_chunk;
-    return set;
   }
   twin(const qevict::geometry& g_, const qevict::budget& b_, const qevict::limits& l_, const qevict::options& opt,
        unsigned seed, int items_per_chunk = 64)

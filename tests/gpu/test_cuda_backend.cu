@@ -140,11 +140,7 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
 TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
   const geometry g = small_layer();
   const limits lim{.max_batch = 2, .max_tokens = 2048};
-  auto make = [&](int items_per_chunk) {
-    backend::cuda::settings set;
-    set.items_per_chunk = items_per_chunk;
-    qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, set);
-  };
+  auto make = [&](int items_per_chunk) { qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, gpu_test::with_chunk(items_per_chunk)); };
   CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be a multiple of 8 in [8, 64], got 12"), qevict::error);
   CHECK_THROWS_WITH_AS(make(72), doctest::Contains("got 72"), qevict::error);
   CHECK_THROWS_WITH_AS(make(0), doctest::Contains("got 0"), qevict::error);

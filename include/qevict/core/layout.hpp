@@ -57,6 +57,10 @@ struct byte_terms {
   }
 };
 
+/// n rounded up to a multiple of 16 bytes: the device kernels copy 16 bytes at a time, so every
+/// section and every region starts on such a boundary.
+constexpr std::size_t padded16(std::size_t n) { return (n + 15u) & ~std::size_t{15}; }
+
 /// The plan shared by every (sequence, layer) of a cache.
 struct region_plan {
   // geometry
@@ -86,7 +90,7 @@ struct region_plan {
   constexpr std::size_t table_entries() const { return static_cast<std::size_t>(max_windows) * units; }
   /// Padded to 16 bytes so that every later section starts 16-byte aligned (device kernels load
   /// 16 bytes at a time); the padding is counted here, in the tables term.
-  constexpr std::size_t table_bytes() const { return (table_entries() * sizeof(window_record) + 15u) & ~std::size_t{15}; }
+  constexpr std::size_t table_bytes() const { return padded16(table_entries() * sizeof(window_record)); }
   /// Where the ledger ends; the region ends at the next multiple of 16 bytes.
   constexpr std::size_t ledger_end() const { return ledger_offset + caps.quantized * quantized_window_bytes(); }
   /// Regions lie end to end (sequence-major, then layer), so a region is a multiple of 16 bytes too:
@@ -193,8 +197,7 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.caps.quantized = std::min(p.caps.quantized, p.table_entries());
   // The region ends on a multiple of 16 bytes (tail_padding_bytes). Where that padding does not fit,
   // everything() grows by it and any other budget keeps a record (or a Full window) less.
-  const auto padded = [](std::size_t n) { return (n + 15u) & ~std::size_t{15}; };
-  const auto padded_end = [&] { return padded(fixed + p.caps.full * p.full_window_bytes + p.caps.quantized * p.quantized_window_bytes()); };
+  const auto padded_end = [&] { return padded16(fixed + p.caps.full * p.full_window_bytes + p.caps.quantized * p.quantized_window_bytes()); };
   if (padded_end() > p.budget_bytes) {
     if (b.what() == budget::kind::everything) {
       p.budget_bytes = padded_end();
@@ -229,7 +232,7 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.recent_offset = p.sink_offset + p.sink_bytes();
   p.full_offset = p.recent_offset + p.recent_bytes();
   p.ledger_offset = p.full_offset + p.caps.full * p.full_window_bytes;
-  p.region_bytes = padded(p.ledger_end());
+  p.region_bytes = padded16(p.ledger_end());
   detail::require(p.region_bytes <= p.budget_bytes, "internal: region plan exceeds its budget");
   return p;
 }
