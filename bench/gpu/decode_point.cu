@@ -1,7 +1,8 @@
 // One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
 //   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass]
-// (BUDGET 0 = every window Full; the records' key frame: before RoPE (default), relative to the
-// window's start, after RoPE; with window mass (default) or without).
+// (BUDGET 0 = every window Full; ITEMS_PER_CHUNK 0 (default) = the launch's own choice,
+// kernels::decode_chunk; the records' key frame: before RoPE (default), relative to the window's
+// start, after RoPE; with window mass (default) or without).
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
@@ -18,7 +19,7 @@ int main(int argc, char** argv) {
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
   const double f = std::atof(argv[3]);
   const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
-  const int ipc = argc > 5 ? std::atoi(argv[5]) : 64;
+  const int ipc = argc > 5 ? std::atoi(argv[5]) : 0;  // 0: automatic
   const std::string frame = argc > 6 ? argv[6] : "pre";
   const bool mass = !(argc > 7 && std::string(argv[7]) == "nomass");
   const geometry g = bench::llama_layer();

@@ -49,7 +49,7 @@ struct decode_state {
   float* q_rotated = nullptr;
   float2* cs_table = nullptr;
   double* inv_freq = nullptr;
-  int batch = 0, max_items = 0, items_per_chunk = 64;
+  int batch = 0, max_items = 0, items_per_chunk = 0;  // 0: the launch chooses (kernels::decode_chunk)
   std::size_t bytes_read = 0;  ///< KV bytes one decode step reads
   int n_full = 0, n_quantized = 0;
 
@@ -80,7 +80,7 @@ inline geometry llama_layer(element_type e = element_type::bf16) {
 
 /// `fraction` <= 0 means budget::everything() (every window Full).
 template <class Config = qevict::config<>>
-decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 64) {
+decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 0) {
   decode_state s;
   const budget b = fraction > 0 ? budget::fraction(fraction) : budget::everything();
   const limits lim{.max_batch = batch, .max_tokens = context};

@@ -47,7 +47,7 @@ struct case_spec {
   int layers = 1;
   qevict::rope_layout layout = qevict::rope_layout::rotate_half;
   bool churn = false;
-  int items_per_chunk = 64;  ///< the CUDA backend's decode split-K chunk (cuda_settings)
+  int items_per_chunk = 0;  ///< the CUDA backend's decode split-K chunk (cuda_settings; 0: its default, per call)
 };
 
 /// The CUDA backend's settings with a given decode split-K chunk (the default stream).
@@ -95,7 +95,7 @@ struct twin {
     return reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t{63});
   }
   twin(const qevict::geometry& g_, const qevict::budget& b_, const qevict::limits& l_, const qevict::options& opt,
-       unsigned seed, int items_per_chunk = 64)
+       unsigned seed, int items_per_chunk = 0)
       : g(g_),
         b(b_),
         lim(l_),

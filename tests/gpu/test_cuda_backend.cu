@@ -141,13 +141,18 @@ TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
   const geometry g = small_layer();
   const limits lim{.max_batch = 2, .max_tokens = 2048};
   auto make = [&](int items_per_chunk) { qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, gpu_test::with_chunk(items_per_chunk)); };
-  CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be a multiple of 8 in [8, 64], got 12"), qevict::error);
-  CHECK_THROWS_WITH_AS(make(72), doctest::Contains("got 72"), qevict::error);
-  CHECK_THROWS_WITH_AS(make(0), doctest::Contains("got 0"), qevict::error);
+  CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, 128], got 12"),
+                       qevict::error);
+  CHECK_THROWS_WITH_AS(make(136), doctest::Contains("got 136"), qevict::error);
+  CHECK_THROWS_WITH_AS(make(-8), doctest::Contains("got -8"), qevict::error);
   CHECK_NOTHROW(make(8));
-  // The shortest chunk (dozens per lane) against the host, through routing events; the default
-  // (64) is what every other case runs.
-  case_spec c{64, 4, 7, element_type::bf16, budget::fraction(0.2), 700, quick() ? 24 : 64, 1, rope_layout::rotate_half, true};
-  c.items_per_chunk = 8;
-  run_case<paper>(c, 308);
+  CHECK_NOTHROW(make(128));
+  // The shortest chunk (dozens per lane) and the longest against the host, through routing events;
+  // the default (0: chosen per call) is what every other case runs.
+  for (int ipc : {8, 128}) {
+    CAPTURE(ipc);
+    case_spec c{64, 4, 7, element_type::bf16, budget::fraction(0.2), 700, quick() ? 24 : 64, 1, rope_layout::rotate_half, true};
+    c.items_per_chunk = ipc;
+    run_case<paper>(c, 308);
+  }
 }

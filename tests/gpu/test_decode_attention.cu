@@ -267,10 +267,11 @@ TEST_CASE("decode attention over window-relative keys matches the host backend")
 }
 
 TEST_CASE("decode attention with every split-K chunk size") {
-  // From 8 items (dozens of chunks per lane) to 64 (a few), for every key frame: each chunk's
-  // masses and partial outputs must meet in the merge whichever chunk wrote them.
+  // From 8 items (dozens of chunks per lane) to 128 (one to three), and the launch's own choice
+  // (0), for every key frame: each chunk's masses and partial outputs must meet in the merge
+  // whichever chunk wrote them.
   unsigned seed = 9000;
-  for (int ipc : {8, 16, 64}) {
+  for (int ipc : {8, 16, 64, 128, 0}) {
     CAPTURE(ipc);
     run_case(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 3000, ipc}, seed++);
     run_case<cfg_post_rope>(case_spec{64, 8, 7, element_type::f16, budget::fraction(0.05), rope_layout::rotate_half, 3000, ipc}, seed++);

@@ -117,6 +117,19 @@ void check_layouts(int head_dim, const budget& b) {
   CHECK(needed <= L.entries_per_lane);
   CHECK(L.listed_items(needed) == (L.record_entries == 1 ? L.listed_items(n_full + n_records) : (n_full + S - 1) / S + n_records));
   CHECK(L.listed_items(L.max_entries_for(n_full + n_records)) >= L.listed_items(needed));
+  // Workspace: partial outputs for every chunk of the shortest automatic chunk (64 items) or of a
+  // fixed one; window masses per item (8/W windows an item for W < 8), whatever the chunk.
+  for (int ipc : {0, 8, 64, 128}) {
+    CAPTURE(ipc);
+    const int chunk = ipc == 0 ? 64 : ipc;
+    const std::size_t chunks = static_cast<std::size_t>((L.max_items + chunk - 1) / chunk), bh = 3 * static_cast<std::size_t>(g.kv_heads);
+    const int group = g.q_heads / g.kv_heads;
+    const auto ws = kernels::decode_workspace::sizes(L, 3, ipc);
+    CHECK(kernels::decode_workspace::chunks_for(L, ipc) == static_cast<int>(chunks));
+    CHECK(ws.o == bh * chunks * group * head_dim * sizeof(float));
+    CHECK(ws.ml == bh * chunks * group * 2 * sizeof(float));
+    CHECK(ws.mass == bh * L.max_items * S * group * sizeof(float));
+  }
   // Routing units: the whole layer, or one KV head each.
   CHECK(L.units == p.units);
   CHECK(L.units * L.heads_per_unit == g.kv_heads);
@@ -157,6 +170,25 @@ TEST_CASE("decode_layout: alignment, staged records and item counts for every wi
     check_layouts<config<>::with_window<window<16, 5, 32>>::with_quantizer<asymmetric<2, meta::bf16, key_frame::after_rope>>::
                       with_full_tier<full_tier::quantized_as<asymmetric<4, meta::bf16, key_frame::after_rope>>>>(d, budget::fraction(0.2));
   }
+}
+
+TEST_CASE("decode attention's automatic split-K chunk: the busiest CTA slot, counted by hand") {
+  // decode_chunk(batch, kv_heads, max_items, resident CTAs); 396 = 132 SMs x 3 CTAs. A slot's
+  // length is waves x (items of a CTA + 16).
+  // One 32K sequence at 20 % (2460 items): 160 CTAs of 128 (1 wave x 144) against 312 of 64 (1 x 80).
+  CHECK(kernels::decode_chunk(1, 8, 2460, 396) == 64);
+  // 32 short lanes (70 items): 256 CTAs of 70 items (1 x 86) against 512 of 64 (2 x 80).
+  CHECK(kernels::decode_chunk(32, 8, 70, 396) == 128);
+  // 32 x 32K at 100 % (4100 items): 8448 CTAs (22 x 144 = 3168) against 16640 (43 x 80 = 3440).
+  CHECK(kernels::decode_chunk(32, 8, 4100, 396) == 128);
+  // One 128K sequence at 20 % (9800 items): 616 CTAs (2 x 144) against 1232 (4 x 80).
+  CHECK(kernels::decode_chunk(1, 8, 9800, 396) == 128);
+  // 24 KV heads of 300 items on 132 slots: 72 CTAs (1 x 144) against 120 (1 x 80).
+  CHECK(kernels::decode_chunk(1, 24, 300, 132) == 64);
+  // Equal slots (one CTA of 10 items either way): the longer chunk.
+  CHECK(kernels::decode_chunk(1, 1, 10, 396) == 128);
+  // No resident CTA reported: still a valid chunk.
+  CHECK(kernels::decode_chunk(4, 8, 1000, 0) == 128);
 }
 
 TEST_CASE("decode_layout: regions of a cache with a budget per layer, in the host backend's order") {

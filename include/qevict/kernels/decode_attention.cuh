@@ -272,15 +272,27 @@ struct decode_arguments {
   float* part_mass = nullptr;
   float* q_rotated = nullptr;   ///< [batch][q_heads][head_dim]: RoPE'd, times log2(e)/sqrt(head_dim)
   float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
-  int items_per_chunk = 64;
+  /// Items of one split-K chunk: a multiple of 8 up to 128, or 0 to let the launch choose
+  /// (decode_chunk: 128 or 64 items, whichever keeps the busiest CTA slot shorter).
+  int items_per_chunk = 0;
+  /// Chunks per (sequence, KV head) the workspace holds (decode_workspace::chunks_for).
   int max_chunks = 0;
 };
 
-/// Workspace sizes for `batch` sequences.
+/// Split-K chunk lengths the decode kernel supports, and the shortest one an automatic choice
+/// may take (it sizes the workspace's partial outputs).
+inline constexpr int max_items_per_chunk = 128;
+inline constexpr int min_automatic_chunk = 64;
+
+/// Workspace sizes for `batch` sequences. Partial outputs are kept per chunk, window masses per
+/// item (whatever the chunk length).
 struct decode_workspace {
   std::size_t o = 0, ml = 0, mass = 0, q = 0, table = 0;
+  /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic), the
+  /// most any automatic choice can give.
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
-    return (L.max_items + items_per_chunk - 1) / items_per_chunk;
+    const int c = items_per_chunk == 0 ? min_automatic_chunk : items_per_chunk;
+    return (L.max_items + c - 1) / c;
   }
   static decode_workspace sizes(const decode_layout& L, int batch, int items_per_chunk) {
     const std::size_t chunks = static_cast<std::size_t>(chunks_for(L, items_per_chunk));
@@ -288,7 +300,7 @@ struct decode_workspace {
     decode_workspace w;
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
-    w.mass = bh * chunks * items_per_chunk * L.windows_per_item() * L.group * sizeof(float);
+    w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
     w.q = bh * L.group * L.head_dim * sizeof(float);
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
@@ -299,7 +311,6 @@ struct decode_workspace {
 namespace detail {
 
 constexpr int warps_per_cta = 4;
-constexpr int max_items_per_chunk = 64;
 constexpr float log2e = 1.4426950408889634f;
 
 /// 2^x on the special-function unit (relative error about 2^-22). Results below 2^-126 flush to
@@ -308,6 +319,14 @@ constexpr float log2e = 1.4426950408889634f;
 __device__ __forceinline__ float exp2_sfu(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
+/// give -inf.
+__device__ __forceinline__ float log2_sfu(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -959,8 +978,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   constexpr int S = item_count::windows_per_item(W);
   constexpr int mass_items = EmitMass ? max_items_per_chunk : 1;
   extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
-  __shared__ float mass_s[mass_items][S][8];  // sum exp(s - m_ref) of each window of the item, per head
-  __shared__ float mref_s[mass_items][8];     // m_ref
+  // Each window of the item, per head: log2 of its sum of 2^(s - m_ref), plus m_ref (the warp's
+  // running maximum then). One float instead of the pair (sum, m_ref): 128 items fit beside three
+  // CTAs per SM.
+  __shared__ float mass_s[mass_items][S][8];
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ item_ref items_s[max_items_per_chunk];         // this chunk's items, pairs padded with empty ones
   __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
@@ -1133,12 +1154,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         wa = value_norms<D, Bf16>(s_a, lane_id, t);
         wb = value_norms<D, Bf16>(s_b, lane_id, t);
       }
+      // log2(0) = -inf, and -inf + m_new stays -inf (also when m_new is -inf: nothing seen yet).
+      auto log_mass = [&](float sum) { return log2_sfu(sum) + m_new; };
       if constexpr (W == 1) {
-        mass_s[li_a][2 * t][g] = pa0 * wa.x;
-        mass_s[li_a][2 * t + 1][g] = pa1 * wa.y;
+        mass_s[li_a][2 * t][g] = log_mass(pa0 * wa.x);
+        mass_s[li_a][2 * t + 1][g] = log_mass(pa1 * wa.y);
         if (has_b) {
-          mass_s[li_b][2 * t][g] = pb0 * wb.x;
-          mass_s[li_b][2 * t + 1][g] = pb1 * wb.y;
+          mass_s[li_b][2 * t][g] = log_mass(pb0 * wb.x);
+          mass_s[li_b][2 * t + 1][g] = log_mass(pb1 * wb.y);
         }
       } else {
         constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
@@ -1149,13 +1172,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           mb += __shfl_xor_sync(0xffffffffu, mb, o);
         }
         if (t % threads_per_window == 0) {
-          mass_s[li_a][t / threads_per_window][g] = ma;
-          if (has_b) mass_s[li_b][t / threads_per_window][g] = mb;
+          mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
+          if (has_b) mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
         }
-      }
-      if (t == 0) {
-        mref_s[li_a][g] = m_new;
-        if (has_b) mref_s[li_b][g] = m_new;
       }
     }
     // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
@@ -1228,15 +1247,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
   }
   if constexpr (EmitMass) {
-    // part_mass[b][h][item][window of the item][head of the group]
+    // part_mass[b][h][item][window of the item][head of the group], relative to the CTA's maximum
     for (int e = threadIdx.x; e < chunk_items * S * G; e += blockDim.x) {
       const int li = e / (S * G), j = (e / G) % S, hg = e % G;
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
-      const float m_ref = mref_s[li][hg];
-      A.part_mass[((bh * A.max_chunks * A.items_per_chunk + static_cast<std::size_t>(first_item + li)) * S + j) * G + hg] =
-          m_ref == -INFINITY ? 0.f : mass_s[li][j][hg] * exp2_sfu(m_ref - M);
+      const float lm = mass_s[li][j][hg];  // <= M, and M is finite wherever lm is
+      A.part_mass[((bh * L.max_items + static_cast<std::size_t>(first_item + li)) * S + j) * G + hg] =
+          lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
     }
   }
 }
@@ -1320,12 +1339,12 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
       const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
       // The unit's heads in order, each over its query heads (unrolled so that the loads of
       // several heads are in flight together; the order of the additions is unchanged).
-      const std::size_t head_stride = static_cast<std::size_t>(A.max_chunks) * A.items_per_chunk * S * G;
+      const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
       float mass = 0.f;
       for (int p = 0; p < P && item0 + p < n_items; ++p) {
         const int li = item0 + p, c = li / A.items_per_chunk;
         const float* pm = A.part_mass +
-                          (((static_cast<std::size_t>(b) * L.kv_heads + u * hu) * A.max_chunks * A.items_per_chunk + li) * S + j) * G;
+                          (((static_cast<std::size_t>(b) * L.kv_heads + u * hu) * L.max_items + li) * S + j) * G;
         const float* f = factor_s + c * HQ + u * hu * G;
 #pragma unroll 8
         for (int k = 0; k < hu; ++k) {
@@ -1350,6 +1369,24 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
 
 }  // namespace detail
 
+/// The split-K chunk of an automatic launch (decode_arguments::items_per_chunk = 0) for `batch`
+/// sequences of at most `max_items` items, on a GPU that holds `resident_ctas` decode CTAs at once:
+/// 128 or 64 items, whichever keeps the busiest CTA slot shorter. A slot works through
+/// ceil(CTAs / resident_ctas) CTAs, each of up to `chunk` items plus a fixed cost (describing its
+/// items, the first pair's latency, merging its warps, writing its partial), which measures about
+/// 16 items' worth on the H200. Long lanes on a full grid take 128 (the fixed cost spread over more
+/// items); a grid shorter than one wave takes 64 when that spreads the items over more SMs.
+inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas) {
+  constexpr long long fixed_cost = 16;
+  const long long slots = std::max(1, resident_ctas);
+  const auto busiest_slot = [&](int chunk) {
+    const long long ctas = static_cast<long long>(batch) * kv_heads * ((max_items + chunk - 1) / chunk);
+    const long long waves = (ctas + slots - 1) / slots;
+    return waves * (std::min(chunk, max_items) + fixed_cost);
+  };
+  return busiest_slot(128) <= busiest_slot(min_automatic_chunk) ? 128 : min_automatic_chunk;
+}
+
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
 template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W, int Bits, int FullBits = 0>
@@ -1361,8 +1398,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(L.ledger_format.bits == Bits && L.full_format.bits == FullBits,
                           "decode_attention: the layout's code widths differ from the kernel's");
   qevict::detail::require(L.sinks <= 8, "decode_attention: at most 8 sink tokens");
-  qevict::detail::require(args.items_per_chunk % 8 == 0 && args.items_per_chunk <= detail::max_items_per_chunk,
-                  "decode_attention: items_per_chunk must be a multiple of 8, at most 64");
+  qevict::detail::require(args.items_per_chunk >= 0 && args.items_per_chunk % 8 == 0 && args.items_per_chunk <= max_items_per_chunk,
+                          "decode_attention: items_per_chunk must be 0 (automatic) or a multiple of 8, at most 128");
   // Rows and records are read in 16-byte pieces: every section of every region must be 16-byte
   // aligned. The window table (12 bytes a window) breaks this unless max_windows is a multiple of
   // 4, e.g. limits::max_tokens a power of two >= 32 with 5 sinks.
@@ -1374,25 +1411,31 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // Items are kept as 32-bit offsets into their region, with 16-bit ring positions.
   qevict::detail::require(L.region_bytes <= 0xffffffffu && L.recent_capacity < 0x10000,
                           "decode_attention: a (sequence, layer) region must be below 4 GiB, its recent region below 65536 tokens");
-  if (args.batch == 0) return;
-  const int chunks = std::max(1, (max_items + args.items_per_chunk - 1) / args.items_per_chunk);
-  qevict::detail::require(chunks <= args.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
-  detail::prepare_queries_kernel<D><<<args.batch, 128, 0, stream>>>(L, args);
-  QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(args.batch));
   qevict::detail::require(std::max(L.ledger_format.staged_bytes, L.full_format.staged_bytes) <=
                               static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
+  if (args.batch == 0) return;
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
   constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted>;
-  static const bool smem_set = [] {
+  // CTAs of this kernel the current GPU holds at once (asked once per kernel, with its shared memory set).
+  static const int resident_ctas = [] {
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    return true;
+    int device = 0, sms = 0, per_sm = 0;
+    QEVICT_CUDA_CHECK(cudaGetDevice(&device));
+    QEVICT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    QEVICT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, detail::warps_per_cta * 32, smem_bytes));
+    return sms * per_sm;
   }();
-  (void)smem_set;
-  kernel<<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, args);
+  decode_arguments a = args;
+  if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas);
+  const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
+  qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
+  detail::prepare_queries_kernel<D><<<a.batch, 128, 0, stream>>>(L, a);
+  QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(a.batch));
+  kernel<<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
   const int hq = L.kv_heads * L.group;
   // Enough threads for every window of the longest lane (max_items items hold at most
@@ -1405,7 +1448,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   detail::decode_merge_kernel<D, EmitMass, Scorer, W>
-      <<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(args.batch)), 256, smem, stream>>>(L, args);
+      <<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(a.batch)), 256, smem, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
 }
 

@@ -63,7 +63,9 @@ class cuda_cache;
 /// Run-time settings of the CUDA backend.
 struct cuda_settings {
   cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
-  int items_per_chunk = 64;       ///< split-K chunk of the decode kernel (multiple of 8, <= 64)
+  /// Split-K chunk of the decode kernel: a multiple of 8 up to 128 items, or 0 to choose per call
+  /// (kernels::decode_chunk: 128 or 64 items, whichever keeps the busiest CTA slot shorter).
+  int items_per_chunk = 0;
 };
 
 /// Backend tag: device-resident cache, stream-ordered kernels.
@@ -118,9 +120,12 @@ class cuda_cache {
                     "backend::cuda: at most " + std::to_string(kernels::lane_list::capacity) + " layers");
     detail::require(lim.max_batch <= kernels::lane_list::capacity,
                     "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
-    detail::require(set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 && set.items_per_chunk <= 64, [&] {
-      return "backend::cuda: items_per_chunk must be a multiple of 8 in [8, 64], got " + std::to_string(set.items_per_chunk);
-    });
+    detail::require(set.items_per_chunk == 0 || (set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 &&
+                                                 set.items_per_chunk <= kernels::max_items_per_chunk),
+                    [&] {
+                      return "backend::cuda: items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, " +
+                             std::to_string(kernels::max_items_per_chunk) + "], got " + std::to_string(set.items_per_chunk);
+                    });
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
     // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
     // (budget::with_layer_shares) each layer's region has its own size, and its own cache_params.
