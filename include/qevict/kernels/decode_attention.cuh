@@ -1148,7 +1148,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if constexpr (EmitMass) {
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
       // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
-      const bool has_b = li_b < chunk_items;
+      // Branch-free: item b of a chunk's last pair may not exist (its row is past the chunk's
+      // items, within mass_s, and never read), and lanes that hold the same window's sum after a
+      // butterfly write the same value to the same word.
       float2 wa = make_float2(1.f, 1.f), wb = wa;
       if constexpr (ValueWeighted) {
         wa = value_norms<D, Bf16>(s_a, lane_id, t);
@@ -1159,22 +1161,28 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       if constexpr (W == 1) {
         mass_s[li_a][2 * t][g] = log_mass(pa0 * wa.x);
         mass_s[li_a][2 * t + 1][g] = log_mass(pa1 * wa.y);
-        if (has_b) {
-          mass_s[li_b][2 * t][g] = log_mass(pb0 * wb.x);
-          mass_s[li_b][2 * t + 1][g] = log_mass(pb1 * wb.y);
-        }
+        mass_s[li_b][2 * t][g] = log_mass(pb0 * wb.x);
+        mass_s[li_b][2 * t + 1][g] = log_mass(pb1 * wb.y);
+      } else if constexpr (W >= 8) {
+        // One butterfly for both items: after the first exchange even lanes hold half of item a's
+        // sum and odd lanes half of item b's; after the second, lanes 0 and 2 hold item a's sum,
+        // lanes 1 and 3 item b's (li_b = li_a + 1).
+        const int odd = t & 1;
+        const float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
+        float x = odd ? mb : ma;
+        x += __shfl_xor_sync(0xffffffffu, odd ? ma : mb, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        mass_s[li_a + odd][0][g] = log_mass(x);
       } else {
-        constexpr int threads_per_window = W >= 8 ? 4 : W / 2;
+        constexpr int threads_per_window = W / 2;  // 8/W windows of W tokens in an item
         float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
 #pragma unroll
         for (int o = 1; o < threads_per_window; o <<= 1) {
           ma += __shfl_xor_sync(0xffffffffu, ma, o);
           mb += __shfl_xor_sync(0xffffffffu, mb, o);
         }
-        if (t % threads_per_window == 0) {
-          mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
-          if (has_b) mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
-        }
+        mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
+        mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
       }
     }
     // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
