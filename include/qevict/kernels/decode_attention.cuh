@@ -1255,15 +1255,21 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
   }
   if constexpr (EmitMass) {
-    // part_mass[b][h][item][window of the item][head of the group], relative to the CTA's maximum
-    for (int e = threadIdx.x; e < chunk_items * S * G; e += blockDim.x) {
-      const int li = e / (S * G), j = (e / G) % S, hg = e % G;
+    // part_mass[b][h][item][window of the item][head of the group], relative to the CTA's maximum.
+    // Thread i serves head i % 8 (if the group has it) of items i / 8, i / 8 + 16, ...: the head's
+    // maximum is formed once, and no index needs a division by the run-time group size.
+    const int hg = threadIdx.x & 7;
+    if (hg < G) {
       float M = -INFINITY;
 #pragma unroll
       for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
-      const float lm = mass_s[li][j][hg];  // <= M, and M is finite wherever lm is
-      A.part_mass[((bh * L.max_items + static_cast<std::size_t>(first_item + li)) * S + j) * G + hg] =
-          lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
+      float* out = A.part_mass + (bh * L.max_items + static_cast<std::size_t>(first_item)) * S * G + hg;
+      for (int li = threadIdx.x >> 3; li < chunk_items; li += warps_per_cta * 32 / 8)
+#pragma unroll
+        for (int j = 0; j < S; ++j) {
+          const float lm = mass_s[li][j][hg];  // <= M, and M is finite wherever lm is
+          out[(li * S + j) * G] = lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
+        }
     }
   }
 }
