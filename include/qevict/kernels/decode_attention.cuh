@@ -1433,7 +1433,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
   constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted>;
-  // CTAs of this kernel the current GPU holds at once (asked once per kernel, with its shared memory set).
+  // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
+  // first launch; it only steers the automatic chunk), when its shared memory is set.
   static const int resident_ctas = [] {
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
     int device = 0, sms = 0, per_sm = 0;
