@@ -44,13 +44,16 @@ std::vector<case_spec> shapes(const budget& b) {
           {128, 4, 5, element_type::f16, b, 700, steps, 2, rope_layout::interleaved, true}};
 }
 
-template <class Cfg>
-void run_shapes(const budget& b, unsigned seed) {
+/// Every shape at budget b and, in each, every config in order, each with the next seed; the
+/// observer (if any) sees every routing event. Returns the seed after the last run.
+template <class... Cfgs, class Observer = gpu_test::no_policy_check>
+unsigned run_shapes(const budget& b, unsigned seed, Observer&& observe = {}) {
   for (const case_spec& c : shapes(b)) {
     CAPTURE(c.head_dim);
     CAPTURE(c.group);
-    run_case<Cfg>(c, seed++);
+    (run_case<Cfgs>(c, seed++, observe), ...);
   }
+  return seed;
 }
 
 }  // namespace
@@ -119,21 +122,13 @@ TEST_CASE("CUDA backend: a quantized top tier (4-bit Full windows over 2-bit rec
   };
   unsigned seed = 6001;
   // 35 %: every window's 2-bit record plus 4-bit room for fewer windows than a lane has.
-  for (const case_spec& c : shapes(budget::fraction(0.35))) {
-    CAPTURE(c.head_dim);
-    run_case<zipcache>(c, seed++, count);
-  }
+  seed = run_shapes<zipcache>(budget::fraction(0.35), seed, count);
   MESSAGE("zipcache_like: window-events full " << full << ", quantized " << quantized << ", evicted " << evicted);
   CHECK(full > 0);
   CHECK(quantized > 0);
   CHECK(evicted == 0);
   full = quantized = 0;
-  for (const case_spec& c : shapes(budget::fraction(0.20))) {
-    CAPTURE(c.head_dim);
-    run_case<top4>(c, seed++, count);
-    run_case<top4_post16>(c, seed++, count);
-    run_case<top4_per_head>(c, seed++, count);
-  }
+  run_shapes<top4, top4_post16, top4_per_head>(budget::fraction(0.20), seed, count);
   CHECK(full > 0);
   CHECK(quantized > 0);
 }
@@ -166,16 +161,7 @@ TEST_CASE("CUDA backend: records of windows shorter than 8 tokens (one record pe
   // The records must be attended, or the test would not exercise the one-record items.
   long long quantized = 0;
   const auto count = [&](auto& t, sequence_id s, int l, gpu_test::routing_event) { quantized += t.host.counts(s, l).quantized; };
-  unsigned seed = 7001;
-  for (const case_spec& c : shapes(budget::fraction(0.20))) {
-    CAPTURE(c.head_dim);
-    run_case<two>(c, seed++, count);
-    run_case<four>(c, seed++, count);
-    run_case<one_post>(c, seed++, count);
-    run_case<two_relative>(c, seed++, count);
-    run_case<four_int4>(c, seed++, count);
-    run_case<one_per_head>(c, seed++, count);
-  }
+  run_shapes<two, four, one_post, two_relative, four_int4, one_per_head>(budget::fraction(0.20), 7001, count);
   MESSAGE("Quantized windows after the events: " << quantized);
   CHECK(quantized > 0);
 }
@@ -197,13 +183,7 @@ TEST_CASE("CUDA backend: per-KV-head selection (each KV head ranks, stores and q
     for (std::size_t i = 0; i + 1 < ws.size(); i += 2)
       if (ws[i].where != ws[i + 1].where) ++split_windows;
   };
-  unsigned seed = 4001;
-  for (const case_spec& c : shapes(budget::fraction(0.20))) {
-    CAPTURE(c.head_dim);
-    run_case<per_head>(c, seed++, count_splits);
-    run_case<per_head_post4>(c, seed++, count_splits);
-    run_case<per_head_relative>(c, seed++, count_splits);
-  }
+  run_shapes<per_head, per_head_post4, per_head_relative>(budget::fraction(0.20), 4001, count_splits);
   MESSAGE("windows whose KV heads were in different tiers after an event: " << split_windows);
   CHECK(split_windows > 0);
 }
