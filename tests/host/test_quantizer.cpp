@@ -66,6 +66,59 @@ TEST_CASE("bit packing by hand: INT2, 4 tokens, head_dim 8, f32 metadata") {
   for (int i = 0; i < 8; ++i) CHECK(rec[72 + i] == 0xE4);
 }
 
+TEST_CASE("value code order by hand: 16-bit element e of a piece holds channels e, e+8, ...") {
+  // INT2, one token, head_dim 72: one whole piece of 64 channels, then 8 channels in order.
+  using Q = quantizers::asymmetric<2, meta::f32>;
+  const auto L = Q::layout(1, 1, 72);
+  CHECK(L.value_piece_channels() == 64);
+  std::vector<float> keys(72, 0.0f), values(72);
+  // Channel c = e + 8f of the piece gets code (3f + e) % 4 (token range [0, 3]: zero 0, scale 1);
+  // the tail channels 64 + i get i % 4.
+  for (int c = 0; c < 64; ++c) values[c] = static_cast<float>((3 * (c / 8) + c % 8) % 4);
+  for (int i = 0; i < 8; ++i) values[64 + i] = static_cast<float>(i % 4);
+  std::vector<std::uint8_t> rec(L.window_bytes(), 0xEE);
+  Q::quantize(L, keys.data(), values.data(), rec.data());
+  // Byte 2e + k holds fields 4k..4k+3 of element e: codes (3m + e) % 4 for m = 0..3.
+  //   e % 4 = 0: 0,3,2,1 -> 0x6C   1: 1,0,3,2 -> 0xB1   2: 2,1,0,3 -> 0xC6   3: 3,2,1,0 -> 0x1B
+  const std::uint8_t expected[18] = {0x6C, 0x6C, 0xB1, 0xB1, 0xC6, 0xC6, 0x1B, 0x1B, 0x6C,
+                                     0x6C, 0xB1, 0xB1, 0xC6, 0xC6, 0x1B, 0x1B, 0xE4, 0xE4};
+  const std::uint8_t* codes = rec.data() + L.value_codes_offset();
+  for (int i = 0; i < 18; ++i) {
+    CAPTURE(i);
+    CHECK(codes[i] == expected[i]);
+  }
+  for (int c = 0; c < 72; ++c) {
+    CAPTURE(c);
+    CHECK(L.value_channel(L.value_slot(c)) == c);
+  }
+  CHECK(L.value_slot(1) == 8);   // element 1, field 0
+  CHECK(L.value_slot(8) == 1);   // element 0, field 1
+  CHECK(L.value_slot(63) == 63);
+  CHECK(L.value_slot(66) == 66);  // past the last whole piece
+  std::vector<float> back(72);
+  Q::dequantize_value(L, rec.data(), 0, 0, back.data());
+  for (int c = 0; c < 72; ++c) CHECK(back[c] == values[c]);
+}
+
+TEST_CASE("value code order by hand: INT4, 32 channels a piece") {
+  using Q = quantizers::asymmetric<4, meta::f32>;
+  const auto L = Q::layout(1, 1, 32);
+  CHECK(L.value_piece_channels() == 32);
+  std::vector<float> keys(32, 0.0f), values(32);
+  // Channel c = e + 8f (f = 0..3) gets code f + 4 (e % 4): range [0, 15], zero 0, scale 1.
+  for (int c = 0; c < 32; ++c) values[c] = static_cast<float>(c / 8 + 4 * (c % 8 % 4));
+  std::vector<std::uint8_t> rec(L.window_bytes(), 0xEE);
+  Q::quantize(L, keys.data(), values.data(), rec.data());
+  // Element e = bytes 2e (fields 0, 1) and 2e + 1 (fields 2, 3), low nibble first.
+  const std::uint8_t expected[16] = {0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE,
+                                     0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE};
+  const std::uint8_t* codes = rec.data() + L.value_codes_offset();
+  for (int i = 0; i < 16; ++i) {
+    CAPTURE(i);
+    CHECK(codes[i] == expected[i]);
+  }
+}
+
 namespace {
 
 template <class Q>

@@ -126,7 +126,9 @@ inline float bf16_bits_to_float(std::uint16_t b) {
 
 /// One window decoded from its record bytes, following the layout documented in quantizers.hpp:
 /// per head: key codes [T][d], key scale [d], key zero [d], value codes [T][d], value scale [T],
-/// value zero [T]; code sections padded to 4 bytes; codes little end first.
+/// value zero [T]; code sections padded to 4 bytes; codes little end first. A token's value codes
+/// come in 16-byte pieces of 128/bits channels: channel r of a piece is in its 16-bit element r % 8,
+/// at bit (r / 8) * bits of that element; channels past the last whole piece are in channel order.
 struct decoded_window {
   int tokens = 0, heads = 0, head_dim = 0;
   std::vector<float> keys, values;              // [T][heads][d], dequantized (keys pre-RoPE)
@@ -149,9 +151,16 @@ inline decoded_window decode_record(std::span<const std::uint8_t> rec, int token
     std::memcpy(&b, rec.data() + offset, 2);
     return bf16_bits_to_float(b);
   };
-  auto code = [&](std::size_t base, std::size_t e) {
-    const std::size_t bit = e * bits;
-    return (rec[base + bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
+  auto code_at = [&](std::size_t base, std::size_t bit) { return (rec[base + bit / 8] >> (bit % 8)) & ((1 << bits) - 1); };
+  auto code = [&](std::size_t base, std::size_t e) { return code_at(base, e * bits); };
+  const int piece = 128 / bits;  // channels in 16 bytes of value codes
+  auto value_code = [&](std::size_t base, int t, int c) {
+    std::size_t bit = (static_cast<std::size_t>(t) * d + c) * bits;
+    if (c < d / piece * piece) {
+      const int r = c % piece;
+      bit = static_cast<std::size_t>(t) * d * bits + static_cast<std::size_t>(c / piece) * 128 + (r % 8) * 16 + (r / 8) * bits;
+    }
+    return code_at(base, bit);
   };
   w.keys.resize(static_cast<std::size_t>(tokens) * heads * d);
   w.values.resize(w.keys.size());
@@ -170,7 +179,7 @@ inline decoded_window decode_record(std::span<const std::uint8_t> rec, int token
         const std::size_t out = (static_cast<std::size_t>(t) * heads + h) * d + c;
         w.keys[out] = read_meta(key_zero + c * meta) + read_meta(key_scale + c * meta) * static_cast<float>(code(base, e));
         w.values[out] = read_meta(value_zero + t * meta) +
-                        read_meta(value_scale + t * meta) * static_cast<float>(code(value_codes, e));
+                        read_meta(value_scale + t * meta) * static_cast<float>(value_code(value_codes, t, c));
       }
   }
   return w;

@@ -715,7 +715,10 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
 
 /// Key metadata of a record whose keys are stored after RoPE, rearranged once per window for
 /// score_record: for chunk s and thread column t, one 16-byte entry of fp16 pairs
-///   {4 scale, zero} of channels (16s + t, 16s + t + 8), then of channels (16s + t + 4, 16s + t + 12).
+///   {4 scale of channels (16s + t, 16s + t + 8), 4 scale of (16s + t + 4, 16s + t + 12),
+///    zero of (16s + t, 16s + t + 8), zero of (16s + t + 4, 16s + t + 12)}:
+/// the zeros are the two adjacent registers of the zero product's B operand, as the tensor core
+/// takes it (no register moves).
 /// Both are exact in fp16: a bf16 value has 8 significant bits (fp16 has 11), for magnitudes in
 /// fp16's range (scale <= 16376, |zero| <= 65504; below 2^-17 they round by under 2^-25).
 template <int D>
@@ -729,8 +732,8 @@ __device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint
     zeros = warp::pack_half2(warp::bf16_bits_to_float(zero[c0]), warp::bf16_bits_to_float(zero[c1]));
   };
   uint4 e;
-  pair(16 * s + t, 16 * s + t + 8, e.x, e.y);
-  pair(16 * s + t + 4, 16 * s + t + 12, e.z, e.w);
+  pair(16 * s + t, 16 * s + t + 8, e.x, e.z);
+  pair(16 * s + t + 4, 16 * s + t + 12, e.y, e.w);
   *reinterpret_cast<uint4*>(s_item + key_extra_offset<D> + 16 * lane_id) = e;
 }
 
@@ -752,15 +755,16 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   // Four independent accumulators (codes and zeros, even and odd chunks): a chain of dependent
   // tensor-core products would wait out each one's latency.
   float acc[4][4] = {};
+  const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     const uint4 m = meta[4 * s];
     const std::uint32_t x = cw[s] >> (2 * t);
-    const std::uint32_t k0 = ((x << 8) & 0x03000300u) | 0x3C003C00u;  // 1 + code/4: channels t, t + 8
-    const std::uint32_t k1 = (x & 0x03000300u) | 0x3C003C00u;         // channels t + 4, t + 12
+    const std::uint32_t k0 = warp::and_or<0x03000300u>(x << 8, one);  // 1 + code/4: channels t, t + 8
+    const std::uint32_t k1 = warp::and_or<0x03000300u>(x, one);       // channels t + 4, t + 12
     warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], warp::fma_half2_minus(k0, m.x),
-                  warp::fma_half2_minus(k1, m.z));
-    warp::mma_f16(acc[2 + (s & 1)], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.y, m.w);
+                  warp::fma_half2_minus(k1, m.y));
+    warp::mma_f16(acc[2 + (s & 1)], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.z, m.w);
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
@@ -804,31 +808,35 @@ __device__ __forceinline__ void query_for_window(const float (&qr)[D / 16][4], c
   }
 }
 
+/// Value code field Field (0 .. 16/Bits - 1) of each register of r into the A fragments of its
+/// tile and row half (see record_value_fragments), for Field and every later field.
+template <bool Bf16, int Bits, int D, int Pieces, int Field = 0>
+__device__ __forceinline__ void value_code_fields(const std::uint32_t (&r)[Pieces], int h, std::uint32_t (&a)[D / 16][4]) {
+  if constexpr (Field < 16 / Bits) {
+    constexpr int tiles_per_piece = 128 / Bits / 16;
+#pragma unroll
+    for (int p = 0; p < Pieces; ++p)
+      a[p * tiles_per_piece + Field / 2][2 * h + Field % 2] = warp::value_code_field<Bf16, Bits, Field>(r[p]);
+    value_code_fields<Bf16, Bits, D, Pieces, Field + 1>(r, h, a);
+  }
+}
+
 /// A fragments of V^T of a record's tokens 2t and 2t+1 (codes of Bits in format f) into
 /// a[i][2h], a[i][2h+1]: channels 16i + g and 16i + g + 8, as exact integers.
+/// A token's value codes are 16-byte pieces of N = 128/Bits channels whose 16-bit element e holds
+/// channels e, e + 8, e + 16, ... of the piece (record_layout::value_slot). One transposing matrix
+/// load per piece, rows = the item's 8 tokens, hands lane (g, t) element g of tokens 2t and 2t+1 in
+/// the low and high half of one register: field k of it is channel 8k + g of the piece, i.e. tile
+/// N/16 * piece + k/2, row g (k even) or g + 8 (k odd) — no shuffling of codes between lanes or
+/// within a register, one shift per few fields and one LOP3 and one subtraction per fragment.
 template <int D, bool Bf16, int Bits>
-__device__ __forceinline__ void record_value_fragments(const record_format& f, const std::uint8_t* s_item, int g, int t, int h,
+__device__ __forceinline__ void record_value_fragments(const record_format& f, const std::uint8_t* s_item, int lane_id, int h,
                                                        std::uint32_t (&a)[D / 16][4]) {
-  std::uint32_t w0[code_words<D, Bits>], w1[code_words<D, Bits>];
-  load_code_words<D, Bits>(s_item + f.staged_value_codes + (2 * t) * (D * Bits / 8), w0);
-  load_code_words<D, Bits>(s_item + f.staged_value_codes + (2 * t + 1) * (D * Bits / 8), w1);
-#pragma unroll
-  for (int i = 0; i < D / 16; ++i) {
-    if constexpr (Bits == 2) {
-      // Word i holds channels 16i..16i+15: after the shift, channel g sits at bits 0-1 and
-      // channel g+8 at bits 16-17 of each token's word.
-      const std::uint32_t x0 = w0[i] >> (2 * g), x1 = w1[i] >> (2 * g);
-      a[i][2 * h] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x5410));
-      a[i][2 * h + 1] = warp::codes_to_16<Bf16, 2>(__byte_perm(x0, x1, 0x7632));
-    } else {
-      // Words 2i and 2i+1 hold channels 16i..16i+7 and 16i+8..16i+15: after the shift, channel
-      // g (g+8) sits at bits 0-3 of word 2i (2i+1).
-      const std::uint32_t x0 = w0[2 * i] >> (4 * g), x1 = w1[2 * i] >> (4 * g);
-      const std::uint32_t y0 = w0[2 * i + 1] >> (4 * g), y1 = w1[2 * i + 1] >> (4 * g);
-      a[i][2 * h] = warp::codes_to_16<Bf16, 4>(__byte_perm(x0, x1, 0x5410));
-      a[i][2 * h + 1] = warp::codes_to_16<Bf16, 4>(__byte_perm(y0, y1, 0x5410));
-    }
-  }
+  constexpr int pieces = D * Bits / 128;
+  static_assert(pieces == 1 || pieces == 2 || pieces == 4, "record_value_fragments: 1, 2 or 4 pieces of 16 bytes a token");
+  std::uint32_t r[pieces];
+  warp::ldmatrix_trans<pieces>(s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8) + (lane_id >> 3) % pieces * 16, r);
+  value_code_fields<Bf16, Bits, D, pieces>(r, h, a);
 }
 
 /// A fragments of V^T for an item pair: a[i][0] = (channel 16i + g, tokens 2t, 2t+1 of item a),
@@ -854,9 +862,9 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
       return;
     }
     if constexpr (FullBits != 0) {
-      if (kind == 4) return record_value_fragments<D, Bf16, FullBits>(L.full_format, s_item, g, t, h, a);
+      if (kind == 4) return record_value_fragments<D, Bf16, FullBits>(L.full_format, s_item, lane_id, h, a);
     }
-    record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_item, g, t, h, a);
+    record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_item, lane_id, h, a);
   };
   if (kind_a == 2 && kind_b == 2) {  // branch-free, so that the two items interleave
     one(2, s_a, 0);

@@ -318,7 +318,7 @@ template <class Q>
 __device__ __forceinline__ float record_value(const quantizers::record_layout& R, const std::uint8_t* rec, int t, int c) {
   const float s = Q::meta_type::decode(Q::load_meta(rec + R.value_scale_offset(), t));
   const float z = Q::meta_type::decode(Q::load_meta(rec + R.value_zero_offset(), t));
-  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + c))));
+  return __fadd_rn(z, __fmul_rn(s, static_cast<float>(Q::get_code(rec + R.value_codes_offset(), static_cast<std::size_t>(t) * R.head_dim + R.value_slot(c)))));
 }
 
 /// Reads the tokens of window w (W tokens) as attention sees them — keys after RoPE — from where a
@@ -440,9 +440,10 @@ struct migration_item {
 
 /// Quantizes one KV head's keys (keys = true) or values of window w, read through `rd`, into the
 /// record head `rec` of quantizer Q, with one warp: the policy's own choose_scale_zero / code_of,
-/// keys rotated back into Q's key frame first (Rotates). Worker k (k < D/4) owns channels
+/// keys rotated back into Q's key frame first (Rotates). Worker k (k < D/4) owns code slots
 /// 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit codes) per token, so no two lanes
-/// share a byte.
+/// share a byte: key channels 4k..4k+3, and the value channels record_layout::value_channel
+/// places there.
 template <int D, int W, class Q, bool Rotates, class Reader>
 __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* rec, int w, int h, bool keys, int lane_id, long long window_start,
                               rope_layout layout, const double* inv_freq) {
@@ -503,7 +504,7 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
     if (active) {
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        vx[m] = rd.value(w, j, h, 4 * worker + m);
+        vx[m] = rd.value(w, j, h, R.value_channel(4 * worker + m));  // the code slot's channel
         lo = fminf(lo, vx[m]);
         hi = fmaxf(hi, vx[m]);
       }

@@ -39,16 +39,6 @@ __device__ __forceinline__ std::uint32_t bf16x2_to_half2(std::uint32_t w) {
   return pack_half2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-/// Two 2-bit codes (bits 0-1 and 16-17 of x, the rest ignored) as an exact half2 of integers.
-template <int Bits = 2>
-__device__ __forceinline__ std::uint32_t codes_to_half2(std::uint32_t x) {
-  // 0x6400 is 1024.0 in fp16; a code in its low mantissa bits is 1024 + code, and the subtraction is exact.
-  constexpr std::uint32_t mask = ((1u << Bits) - 1u) * 0x00010001u;
-  const std::uint32_t biased = (x & mask) | 0x64006400u;
-  const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(0x6400)));
-  return *reinterpret_cast<const std::uint32_t*>(&h);
-}
-
 /// a * b - b on two fp16 lanes, rounded once (one HFMA2: the negation is an operand modifier).
 __device__ __forceinline__ std::uint32_t fma_half2_minus(std::uint32_t a, std::uint32_t b) {
   const __half2 hb = *reinterpret_cast<const __half2*>(&b);
@@ -99,20 +89,38 @@ __device__ __forceinline__ void split_16(float x, float y, std::uint32_t& hi, st
   lo = pack_16<Bf16>(x - back.x, y - back.y);
 }
 
-/// Two codes of Bits (2 or 4: bits 0.. and 16.. of x, the rest ignored) as exact integers in the
-/// 16-bit type.
-template <bool Bf16, int Bits = 2>
-__device__ __forceinline__ std::uint32_t codes_to_16(std::uint32_t x) {
-  static_assert(Bits == 2 || Bits == 4, "codes_to_16: 2- or 4-bit codes");
+/// (x & mask) | bits in one LOP3. Written out because the compiler, given two constants, emits
+/// an AND and an OR; here `bits` lives in a register, which the loops that call this hoist.
+template <std::uint32_t Mask>
+__device__ __forceinline__ std::uint32_t and_or(std::uint32_t x, std::uint32_t bits) {
+  std::uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "n"(Mask), "r"(bits));
+  return d;
+}
+
+/// Field `Field` of a register of value codes (Bits wide, at bit Field * Bits of each 16-bit half;
+/// 16/Bits fields per half) as two exact integers in the 16-bit type. A field is moved into the
+/// mantissa's low bits by a shift shared by a group of fields (the fields that fit below the
+/// exponent: 3 per shift for 2-bit codes in bf16, 5 in fp16), and given the exponent under which
+/// its lowest bit weighs 1: the half then holds 2^E + code exactly, and one subtraction of 2^E
+/// leaves the code.
+template <bool Bf16, int Bits, int Field>
+__device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
+  static_assert(Bits == 2 || Bits == 4, "value_code_field: 2- or 4-bit codes");
+  constexpr int mantissa = Bf16 ? 7 : 10;
+  constexpr int per_shift = mantissa / Bits;
+  constexpr int shift = Field / per_shift * per_shift * Bits, position = Field % per_shift * Bits;
+  constexpr int exponent = mantissa - position;  // 2^exponent's last mantissa bit is `position`
+  constexpr std::uint32_t bias = Bf16 ? (exponent + 127u) << 7 : (exponent + 15u) << 10;
+  constexpr std::uint32_t mask = ((1u << Bits) - 1u) << position;
+  const std::uint32_t biased = and_or<mask * 0x00010001u>(x >> shift, bias * 0x00010001u);
   if constexpr (Bf16) {
-    // 0x4300 is 128.0 in bf16 (ulp 1): 128 + code, minus 128, exactly.
-    constexpr std::uint32_t mask = ((1u << Bits) - 1u) * 0x00010001u;
-    const std::uint32_t biased = (x & mask) | 0x43004300u;
     const __nv_bfloat162 h = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased),
-                                     __bfloat162bfloat162(__ushort_as_bfloat16(0x4300)));
+                                     __bfloat162bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(bias))));
     return *reinterpret_cast<const std::uint32_t*>(&h);
   } else {
-    return codes_to_half2<Bits>(x);
+    const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(static_cast<unsigned short>(bias))));
+    return *reinterpret_cast<const std::uint32_t*>(&h);
   }
 }
 
@@ -142,6 +150,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(const void* smem, std::uint32_
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
+}
+
+/// N (1, 2 or 4) transposed 8x8 matrices: matrix m's row addresses from lanes 8m..8m+7.
+template <int N>
+__device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t (&r)[N]) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (N == 1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+  } else if constexpr (N == 2) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+  } else {
+    static_assert(N == 4, "ldmatrix_trans: 1, 2 or 4 matrices");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+  }
 }
 
 /// Two transposed 8x8 matrices (row addresses from lanes 0-15).

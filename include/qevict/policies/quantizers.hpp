@@ -16,7 +16,13 @@
 //   value codes [tokens][head_dim] packed, token-major   round_up(tokens*head_dim*bits/8, 4)
 //   value scale [tokens] Meta                             tokens * sizeof(Meta)
 //   value zero  [tokens] Meta                             tokens * sizeof(Meta)
-// Code e = t*head_dim + c sits in byte e*bits/8 at bit (e % (8/bits))*bits, little end first.
+// Code slot e sits in byte e*bits/8 at bit (e % (8/bits))*bits, little end first. Key code (t, c)
+// is slot t*head_dim + c. Value code (t, c) is slot t*head_dim + value_slot(c): within each 16-byte
+// piece of a token's value codes (N = 128/bits channels), channel c of the piece sits in 16-bit
+// element c % 8 as its field c / 8, so that one 16-bit element holds channels e, e+8, e+16, ...
+// (record_layout::value_slot; channels past the last whole piece keep their natural order). A
+// transposing 8x8 matrix load of the piece then hands each tensor-core lane exactly the channels
+// its output rows need (docs/architecture.md, "Value codes").
 // Dequantized value = zero + scale * code.
 
 #include <cstddef>
@@ -116,6 +122,23 @@ struct record_layout {
   QEVICT_HOST_DEVICE constexpr std::size_t value_zero_offset() const { return value_scale_offset() + tokens * meta_bytes; }
   QEVICT_HOST_DEVICE constexpr std::size_t head_bytes() const { return value_zero_offset() + tokens * meta_bytes; }
   QEVICT_HOST_DEVICE constexpr std::size_t window_bytes() const { return head_bytes() * heads; }
+  /// Channels in one 16-byte piece of a token's value codes.
+  QEVICT_HOST_DEVICE constexpr int value_piece_channels() const { return 128 / bits; }
+  /// Slot of value channel c within its token's codes: in a whole piece of N channels, channel
+  /// j*N + r sits at slot j*N + (r % 8) * (N / 8) + r / 8 (16-bit element r % 8, field r / 8).
+  QEVICT_HOST_DEVICE constexpr int value_slot(int c) const {
+    const int n = value_piece_channels();
+    if (c >= head_dim / n * n) return c;
+    const int r = c % n;
+    return c - r + (r % 8) * (n / 8) + r / 8;
+  }
+  /// The channel whose value code sits at slot s: the inverse of value_slot.
+  QEVICT_HOST_DEVICE constexpr int value_channel(int s) const {
+    const int n = value_piece_channels();
+    if (s >= head_dim / n * n) return s;
+    const int r = s % n;
+    return s - r + (r % (n / 8)) * 8 + r / (n / 8);
+  }
   QEVICT_HOST_DEVICE constexpr std::size_t code_bytes() const { return 2 * code_section() * heads; }
   QEVICT_HOST_DEVICE constexpr std::size_t metadata_bytes() const { return window_bytes() - code_bytes(); }
 };
@@ -220,7 +243,7 @@ struct asymmetric {
         store_meta(rec + L.value_scale_offset(), t, s);
         store_meta(rec + L.value_zero_offset(), t, z);
         for (int c = 0; c < L.head_dim; ++c)
-          put_code(value_codes, static_cast<std::size_t>(t) * L.head_dim + c,
+          put_code(value_codes, static_cast<std::size_t>(t) * L.head_dim + L.value_slot(c),
                    code_of(v[c], Meta::decode(s), Meta::decode(z)));
       }
     }
@@ -245,7 +268,7 @@ struct asymmetric {
     const float z = Meta::decode(load_meta(rec + L.value_zero_offset(), t));
     const std::uint8_t* codes = rec + L.value_codes_offset();
     for (int c = 0; c < L.head_dim; ++c)
-      out[c] = z + s * static_cast<float>(get_code(codes, static_cast<std::size_t>(t) * L.head_dim + c));
+      out[c] = z + s * static_cast<float>(get_code(codes, static_cast<std::size_t>(t) * L.head_dim + L.value_slot(c)));
   }
 };
 
