@@ -556,24 +556,28 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
       }
     }
   } else {
-    constexpr int per_row = D * 2 / 16;
+    // Lane l copies 16-byte column l % per_row of token rows r = l / per_row + k * (32 / per_row)
+    // (k < passes): the key row r and the value row 8 + r, whose sources differ by one section.
+    constexpr int per_row = D * 2 / 16, rows_per_pass = 32 / per_row, passes = 8 / rows_per_pass;
+    const int col = lane_id % per_row;
+    const bool rows_kind = it.kind == 1 || (W < 8 && it.kind == 3);  // kind 3 only exists for W < 8
+    const std::size_t section = W < 8 && it.kind == 3 ? static_cast<std::size_t>(W) * D * 2 : static_cast<std::size_t>(it.capacity) * D * 2;
 #pragma unroll
-    for (int k = 0; k < 16 * per_row / 32; ++k) {
-      const int q = lane_id + 32 * k;
-      const int row = q / per_row, col = q % per_row;
-      const int kv = row >> 3, r = row & 7;
-      const bool ok = (it.kind == 1 || (W < 8 && it.kind == 3)) && r < it.valid;  // kind 3 only exists for W < 8
-      const std::uint8_t* src = region;
+    for (int k = 0; k < passes; ++k) {
+      const int r = lane_id / per_row + k * rows_per_pass;
+      const bool ok = rows_kind && r < it.valid;
+      const std::uint8_t* key = region;
       if (ok) {
         if (W < 8 && it.kind == 3) {
-          src = region + rows[r] + static_cast<std::size_t>(kv) * W * D * 2 + col * 16;
+          key = region + rows[r] + col * 16;
         } else {
           int slot = it.first_slot + r;
           if (slot >= it.capacity) slot -= it.capacity;
-          src = it.base + (static_cast<std::size_t>(kv * it.capacity + slot) * D * 2 + col * 16);
+          key = it.base + static_cast<unsigned>(slot * (D * 2) + col * 16);
         }
       }
-      warp::cp_async16(dst + row * row_stride<D> + col * 16, src, ok ? 16 : 0);
+      warp::cp_async16(dst + r * row_stride<D> + col * 16, key, ok ? 16 : 0);
+      warp::cp_async16(dst + (8 + r) * row_stride<D> + col * 16, ok ? key + section : key, ok ? 16 : 0);
     }
   }
 }
@@ -752,9 +756,10 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   std::uint32_t cw[D / 16];
   load_code_words<D>(s_item + g * (D / 4), cw);
   const uint4* meta = reinterpret_cast<const uint4*>(s_item + key_extra_offset<D>) + t;
-  // Four independent accumulators (codes and zeros, even and odd chunks): a chain of dependent
-  // tensor-core products would wait out each one's latency.
-  float acc[4][4] = {};
+  // Two independent accumulators (even and odd chunks), each taking a chunk's code product and
+  // then its zero product: with the two items of a pair interleaved, four chains hide the
+  // tensor cores' latency, and the sum at the end is one addition per score.
+  float acc[2][4] = {};
   const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
@@ -764,10 +769,10 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
     const std::uint32_t k1 = warp::and_or<0x03000300u>(x, one);       // channels t + 4, t + 12
     warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], warp::fma_half2_minus(k0, m.x),
                   warp::fma_half2_minus(k1, m.y));
-    warp::mma_f16(acc[2 + (s & 1)], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.z, m.w);
+    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.z, m.w);
   }
 #pragma unroll
-  for (int e = 0; e < 4; ++e) c[e] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+  for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
 }
 
 /// The query rotated back by a window's start, R(t0)^T q, as score_record's fp16 high/low A
