@@ -46,7 +46,7 @@ struct decode_state {
   int* batch_lanes = nullptr;
   float *q = nullptr, *out = nullptr, *part_o = nullptr, *part_mass = nullptr;
   float2* part_ml = nullptr;
-  float* q_rotated = nullptr;
+  uint4* q_fragments = nullptr;
   float2* cs_table = nullptr;
   double* inv_freq = nullptr;
   int batch = 0, max_items = 0, items_per_chunk = 0;  // 0: the launch chooses (kernels::decode_chunk)
@@ -56,14 +56,14 @@ struct decode_state {
   kernels::decode_arguments arguments() const {
     kernels::decode_arguments a;
     a.arena = arena; a.lanes = lanes; a.entries = entries; a.entry_counts = entry_counts; a.batch_lanes = batch_lanes; a.batch = batch;
-    a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.q_rotated = q_rotated; a.cs_table = cs_table;
+    a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.q_fragments = q_fragments; a.cs_table = cs_table;
     a.items_per_chunk = items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(layout, items_per_chunk);
     return a;
   }
   void release() {
     cudaFree(arena); cudaFree(lanes); cudaFree(entries); cudaFree(entry_counts); cudaFree(batch_lanes); cudaFree(q); cudaFree(out);
-    cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(q_rotated); cudaFree(cs_table); cudaFree(inv_freq);
+    cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(q_fragments); cudaFree(cs_table); cudaFree(inv_freq);
   }
 };
 
@@ -143,7 +143,7 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_o, ws.o));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_ml, ws.ml));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_mass, ws.mass));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.q_rotated, ws.q));
+  QEVICT_CUDA_CHECK(cudaMalloc(&s.q_fragments, ws.q));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.cs_table, ws.table));
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
   return s;

@@ -156,7 +156,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   device_buffer<float> d_o(ws.o / sizeof(float));
   device_buffer<float2> d_ml(ws.ml / sizeof(float2));
   device_buffer<float> d_mass(ws.mass / sizeof(float));
-  device_buffer<float> d_qr(ws.q / sizeof(float));
+  device_buffer<uint4> d_qf(ws.q / sizeof(uint4));
   device_buffer<float2> d_table(ws.table / sizeof(float2));
   kernels::decode_arguments a;
   a.arena = d_arena.ptr;
@@ -171,7 +171,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   a.part_o = d_o.ptr;
   a.part_ml = d_ml.ptr;
   a.part_mass = d_mass.ptr;
-  a.q_rotated = d_qr.ptr;
+  a.q_fragments = d_qf.ptr;
   a.cs_table = d_table.ptr;
   a.items_per_chunk = ipc;
   a.max_chunks = kernels::decode_workspace::chunks_for(L, ipc);

@@ -129,6 +129,8 @@ void check_layouts(int head_dim, const budget& b) {
     CHECK(ws.o == bh * chunks * group * head_dim * sizeof(float));
     CHECK(ws.ml == bh * chunks * group * 2 * sizeof(float));
     CHECK(ws.mass == bh * L.max_items * S * group * sizeof(float));
+    // Query fragments: per (sequence, KV head), 2 * head_dim / 16 loads of 16 bytes for each of 32 lanes.
+    CHECK(ws.q == bh * 32 * (2 * head_dim / 16) * 16);
   }
   // Routing units: the whole layer, or one KV head each.
   CHECK(L.units == p.units);

@@ -270,7 +270,9 @@ struct decode_arguments {
   float* part_o = nullptr;
   float2* part_ml = nullptr;
   float* part_mass = nullptr;
-  float* q_rotated = nullptr;   ///< [batch][q_heads][head_dim]: RoPE'd, times log2(e)/sqrt(head_dim)
+  /// [batch][kv_heads][2 * head_dim / 16][32 lanes] uint4: the query of each KV head's group as the
+  /// decode kernel's lanes hold it (query_fragments), written by prepare_queries_kernel.
+  uint4* q_fragments = nullptr;
   float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
   /// Items of one split-K chunk: a multiple of 8 up to 128, or 0 to let the launch choose
   /// (decode_chunk: 128 or 64 items, whichever keeps the busiest CTA slot shorter).
@@ -301,7 +303,7 @@ struct decode_workspace {
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
     w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
-    w.q = bh * L.group * L.head_dim * sizeof(float);
+    w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
   }
@@ -896,35 +898,75 @@ __device__ __forceinline__ void value_meta(const decode_layout& L, int kind, con
   }
 }
 
-template <int D>
+/// What the second half of a lane's query fragments holds for the records of a kernel: nothing
+/// (their keys are dequantized in fp32 and go through the first half), the query in fp16 high
+/// and low parts in score_record's channel order, or that query in fp32 (rotated per window).
+enum class record_query : int { none = 0, fp16_parts = 1, fp32 = 2 };
+
+/// Lane (g, t)'s query fragments for chunk s of one KV head's group (q: the group's rotated,
+/// scaled queries, [G][D]; rows g >= G are zero):
+///   first  = A fragment of head g in the cache's 16-bit type: rows 0-7 its high part, rows 8-15
+///            its low part (channels 16s + 2t, 2t+1, 2t+8, 2t+9);
+///   second = for records used as stored, the same in fp16 in score_record's channel order
+///            (16s + t, t+8, t+4, t+12; 22 bits); for window-relative records those channels in
+///            fp32, rotated per window by query_for_window.
+template <int D, bool Bf16, record_query RecordQuery>
+__device__ __forceinline__ void query_fragments(const float* q, int G, int g, int t, int s, uint4& first, uint4& second) {
+  const float* row = q + min(g, G - 1) * D + 16 * s;
+  auto at = [&](int c) { return g < G ? row[c] : 0.0f; };
+  warp::split_16<Bf16>(at(2 * t), at(2 * t + 1), first.x, first.y);
+  warp::split_16<Bf16>(at(2 * t + 8), at(2 * t + 9), first.z, first.w);
+  second = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (RecordQuery == record_query::fp16_parts) {
+    warp::split_16<false>(at(t), at(t + 8), second.x, second.y);
+    warp::split_16<false>(at(t + 4), at(t + 12), second.z, second.w);
+  } else if constexpr (RecordQuery == record_query::fp32) {
+    second = make_uint4(__float_as_uint(at(t)), __float_as_uint(at(t + 8)), __float_as_uint(at(t + 4)), __float_as_uint(at(t + 12)));
+  }
+}
+
+/// One block per (sequence, KV head): the group's queries rotated to their position and scaled by
+/// log2(e)/sqrt(D), turned into the lanes' fragments (query_fragments) once, so that the decode
+/// kernel's CTAs (one per chunk) only load them; and e^{i j f_p} for j < 8.
+template <int D, bool Bf16, record_query RecordQuery>
 __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
-  const int b = blockIdx.x;
+  const int b = blockIdx.x, h = blockIdx.y;
   const lane_state lane = A.lanes[A.batch_lanes[b]];
   const long long position = lane.first_position + lane.tokens - 1;
-  const int hq = L.kv_heads * L.group;
+  const int G = L.group;
   const float scale = log2e * rsqrtf(static_cast<float>(D));
-  // Every query head turns by the same D/2 angles: each is computed once (a double-precision
-  // reduction and sincosf) rather than once per head.
+  // Every query head turns by the same D/2 angles: each is computed once per block (a
+  // double-precision reduction and sincosf) rather than once per head.
   __shared__ float2 cs_s[D / 2];
+  __shared__ float q_s[8][D];  // the group, rotated and scaled
   for (int p = threadIdx.x; p < D / 2; p += blockDim.x) {
     float c, s;
     thread::rope_cos_sin(position, A.inv_freq[p], c, s);
     cs_s[p] = make_float2(c, s);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < hq * (D / 2); e += blockDim.x) {
-    const int qh = e / (D / 2), p = e % (D / 2);
+  for (int e = threadIdx.x; e < G * (D / 2); e += blockDim.x) {
+    const int hg = e / (D / 2), p = e % (D / 2);
     int ia, ib;
     if (L.layout == rope_layout::interleaved) { ia = 2 * p; ib = 2 * p + 1; }
     else { ia = p; ib = p + D / 2; }
-    const float* q = A.q + (static_cast<std::size_t>(b) * hq + qh) * D;
-    float* r = A.q_rotated + (static_cast<std::size_t>(b) * hq + qh) * D;
+    const float* q = A.q + ((static_cast<std::size_t>(b) * L.kv_heads + h) * G + hg) * D;
     const float c = cs_s[p].x, s = cs_s[p].y;
     const float x0 = q[ia], x1 = q[ib];
-    r[ia] = (x0 * c - x1 * s) * scale;
-    r[ib] = (x0 * s + x1 * c) * scale;
+    q_s[hg][ia] = (x0 * c - x1 * s) * scale;
+    q_s[hg][ib] = (x0 * s + x1 * c) * scale;
   }
-  if (b == 0)
+  __syncthreads();
+  // [load j][lane]: each of the kernel's loads reads 512 contiguous bytes.
+  uint4* out = A.q_fragments + (static_cast<std::size_t>(b) * L.kv_heads + h) * (2 * D / 16) * 32;
+  for (int e = threadIdx.x; e < 32 * (D / 16); e += blockDim.x) {
+    const int l = e % 32, s = e / 32;
+    uint4 first, second;
+    query_fragments<D, Bf16, RecordQuery>(&q_s[0][0], G, l >> 2, l & 3, s, first, second);
+    out[s * 32 + l] = first;
+    out[(D / 16 + s) * 32 + l] = second;
+  }
+  if (b == 0 && h == 0)
     for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) {
       float c, s;
       thread::rope_cos_sin(e / (D / 2), A.inv_freq[e % (D / 2)], c, s);
@@ -1009,37 +1051,24 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
                                  region);
   }
 
-  // Query of head g as A fragments: rows 0-7 its high part, rows 8-15 its low part.
+  // The query of head g (query_fragments): qa for token rows (and records dequantized in fp32),
+  // qf for records used as stored, qr for window-relative records (rotated per window into qf).
   std::uint32_t qa[D / 16][4];
-  {
-    const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
-#pragma unroll
-    for (int s = 0; s < D / 16; ++s) {
-      float2 x0 = *reinterpret_cast<const float2*>(q + 16 * s + 2 * t);
-      float2 x1 = *reinterpret_cast<const float2*>(q + 16 * s + 2 * t + 8);
-      if (g >= G) x0 = x1 = make_float2(0.f, 0.f);
-      warp::split_16<Bf16>(x0.x, x0.y, qa[s][0], qa[s][1]);
-      warp::split_16<Bf16>(x1.x, x1.y, qa[s][2], qa[s][3]);
-    }
-  }
-  // For records used as stored: the query in fp16 (rows 0-7 high part, rows 8-15 low part: 22
-  // bits), in score_record's channel order. For window-relative records: the query in fp32 in
-  // that order (qr), rotated per window into qf by query_for_window.
   std::uint32_t qf[D / 16][4];
   float qr[QueryPerWindow ? D / 16 : 1][4];
-  if constexpr (Fp16Records) {
-    const float* q = A.q_rotated + (static_cast<std::size_t>(b) * L.kv_heads * G + static_cast<std::size_t>(h) * G + min(g, G - 1)) * D;
-    const float keep = g < G ? 1.0f : 0.0f;
+  {
+    const uint4* frag = A.q_fragments + (static_cast<std::size_t>(b) * L.kv_heads + h) * (2 * D / 16) * 32 + lane_id;
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
-      if constexpr (QueryPerWindow) {
-        qr[s][0] = keep * q[16 * s + t];
-        qr[s][1] = keep * q[16 * s + t + 8];
-        qr[s][2] = keep * q[16 * s + t + 4];
-        qr[s][3] = keep * q[16 * s + t + 12];
-      } else {
-        warp::split_16<false>(keep * q[16 * s + t], keep * q[16 * s + t + 8], qf[s][0], qf[s][1]);
-        warp::split_16<false>(keep * q[16 * s + t + 4], keep * q[16 * s + t + 12], qf[s][2], qf[s][3]);
+      const uint4 x = frag[s * 32];
+      qa[s][0] = x.x, qa[s][1] = x.y, qa[s][2] = x.z, qa[s][3] = x.w;
+      if constexpr (Fp16Records) {
+        const uint4 y = frag[(D / 16 + s) * 32];
+        if constexpr (QueryPerWindow) {
+          qr[s][0] = __uint_as_float(y.x), qr[s][1] = __uint_as_float(y.y), qr[s][2] = __uint_as_float(y.z), qr[s][3] = __uint_as_float(y.w);
+        } else {
+          qf[s][0] = y.x, qf[s][1] = y.y, qf[s][2] = y.z, qf[s][3] = y.w;
+        }
       }
     }
   }
@@ -1460,7 +1489,11 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas);
   const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
   qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
-  detail::prepare_queries_kernel<D><<<a.batch, 128, 0, stream>>>(L, a);
+  constexpr detail::record_query record_query = Records == record_rotation::each_key || Bits != 2 ? detail::record_query::none
+                                                 : Records == record_rotation::query_per_window ? detail::record_query::fp32
+                                                                                                : detail::record_query::fp16_parts;
+  detail::prepare_queries_kernel<D, E == element_type::bf16, record_query>
+      <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), 128, 0, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(a.batch));
   kernel<<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, a);

@@ -221,7 +221,7 @@ class cuda_cache {
     part_o_ = alloc<float>(ws.o / sizeof(float));
     part_ml_ = alloc<float2>(ws.ml / sizeof(float2));
     part_mass_ = alloc<float>(ws.mass / sizeof(float));
-    q_rotated_ = alloc<float>(ws.q / sizeof(float));
+    q_fragments_ = alloc<uint4>(ws.q / sizeof(uint4));
     cs_table_ = alloc<float2>(ws.table / sizeof(float2));
     mirrors_.resize(lanes_total_);
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
@@ -363,7 +363,7 @@ class cuda_cache {
     a.part_o = part_o_;
     a.part_ml = part_ml_;
     a.part_mass = part_mass_;
-    a.q_rotated = q_rotated_;
+    a.q_fragments = q_fragments_;
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(P.L, set_.items_per_chunk);
@@ -641,7 +641,8 @@ class cuda_cache {
   kernels::cache_pointers S_{};
   bool owned_arena_ = false;
   std::vector<void*> allocations_;
-  float *part_o_ = nullptr, *part_mass_ = nullptr, *q_rotated_ = nullptr;
+  float *part_o_ = nullptr, *part_mass_ = nullptr;
+  uint4* q_fragments_ = nullptr;
   float2 *part_ml_ = nullptr, *cs_table_ = nullptr;
   mutable std::vector<mirror> mirrors_;
   sequence_slots sequences_;
