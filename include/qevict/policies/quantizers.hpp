@@ -22,7 +22,7 @@
 // element c % 8 as its field c / 8, so that one 16-bit element holds channels e, e+8, e+16, ...
 // (record_layout::value_slot; channels past the last whole piece keep their natural order). A
 // transposing 8x8 matrix load of the piece then hands each tensor-core lane exactly the channels
-// its output rows need (docs/architecture.md, "Value codes").
+// its output rows need (docs/architecture.md, "Value codes in the tensor-core layout").
 // Dequantized value = zero + scale * code.
 
 #include <cstddef>
