@@ -21,9 +21,12 @@
 // Tensor cores (mma.m16n8k16, the cache's 16-bit type in — bf16 or fp16 — fp32 accumulate):
 //   S = Q K^T per item:  A = the group's queries (rows 0-7: high part, rows 8-15: the low part,
 //                        so the query keeps 16 or 22 bits), B = the item's 8 keys (ldmatrix).
-//   O^T += V^T P^T per two items: A = 16 channels x 16 tokens of values (ldmatrix.trans),
+//   O^T += V^T P^T per two items: A = 16 channels x 16 tokens of values (ldmatrix.trans; for a
+//                        record, over its value codes, which are stored in the order that makes
+//                        each lane's register its fragment: record_value_fragments),
 //                        B = probabilities (bf16: high and low part), whose C->B fragment
 //                        layouts line up, so P never leaves registers.
+// The queries reach the CTAs as fragments (prepare_queries_kernel, once per sequence and KV head).
 // The contraction index is the channel in mma order: a thread owns channels
 // 16s + {2t, 2t+1, 2t+8, 2t+9}, which holds both halves of every rotary pair.
 //
