@@ -91,6 +91,12 @@ void check_layouts(int head_dim, const budget& b) {
       CHECK(f.key_scale % 16 == 0);
       CHECK(2 * staged.head_dim * staged.meta_bytes % 16 == 0);  // scales and zeros together
     }
+    // record_value_fragments reads a staged item's value codes with transposing 8x8 matrix loads:
+    // every token row's 16-byte pieces start on 16-byte boundaries, and a piece holds 128/bits
+    // channels of which head_dim has a whole number.
+    CHECK(f.staged_value_codes % 16 == 0);
+    CHECK(static_cast<std::size_t>(head_dim) * Q::bits / 8 % 16 == 0);
+    CHECK(head_dim % staged.value_piece_channels() == 0);
     // The staged record fits in front of the per-window key data written behind it.
     CHECK(f.staged_bytes <= static_cast<std::size_t>(cs_offset));
   };
