@@ -861,14 +861,14 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
   if (!is_record<FullBits>(kind_a) && !is_record<FullBits>(kind_b)) {
     const std::uint8_t* rowp = ((lane_id & 16) ? s_b : s_a) + row + half_col;
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x4_trans(rowp + i * 32, a[i][0], a[i][1], a[i][2], a[i][3]);
+    for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<4>(rowp + i * 32, a[i]);
     return;
   }
   auto one = [&](int kind, const std::uint8_t* s_item, int h) {
     if (!is_record<FullBits>(kind)) {
       const std::uint8_t* rowp = s_item + row + half_col;
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) warp::ldmatrix_x2_trans(rowp + i * 32, a[i][2 * h], a[i][2 * h + 1]);
+      for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<2>(rowp + i * 32, a[i] + 2 * h);
       return;
     }
     if constexpr (FullBits != 0) {
@@ -905,6 +905,15 @@ __device__ __forceinline__ void value_meta(const decode_layout& L, int kind, con
 /// (their keys are dequantized in fp32 and go through the first half), the query in fp16 high
 /// and low parts in score_record's channel order, or that query in fp32 (rotated per window).
 enum class record_query : int { none = 0, fp16_parts = 1, fp32 = 2 };
+
+/// The record query of a kernel for `Records` and ledger codes of `Bits`. Ledger records whose keys
+/// are not rotated per key take the exact fp16 path (score_record) when their codes have 2 bits;
+/// 4-bit codes (5 significant bits in 1 + code/16, 13 in the product with a bf16 scale) would not
+/// be exact in fp16 and take score_item's fp32 path, as do the records of a quantized top tier.
+template <record_rotation Records, int Bits>
+inline constexpr record_query record_query_of = Records == record_rotation::each_key || Bits != 2 ? record_query::none
+                                                : Records == record_rotation::query_per_window   ? record_query::fp32
+                                                                                                 : record_query::fp16_parts;
 
 /// Lane (g, t)'s query fragments for chunk s of one KV head's group (q: the group's rotated,
 /// scaled queries, [G][D]; rows g >= G are zero):
@@ -1008,11 +1017,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr bool RotateRecords = Records == record_rotation::each_key;
   constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
-  // Ledger records whose keys are not rotated per key take the exact fp16 path (score_record) when
-  // their codes have 2 bits; 4-bit codes (5 significant bits in 1 + code/16, 13 in the product
-  // with a bf16 scale) would not be exact in fp16 and take score_item's fp32 path, as do the
-  // records of a quantized top tier.
-  constexpr bool Fp16Records = !RotateRecords && Bits == 2;
+  // Ledger records on the exact fp16 path (record_query_of).
+  constexpr bool Fp16Records = record_query_of<Records, Bits> != record_query::none;
   static_assert(Bits == 2 || !QueryPerWindow, "decode_attention: window-relative keys need 2-bit codes");
   static_assert(FullBits == 0 || (W >= 8 && !QueryPerWindow),
                 "decode_attention: a quantized top tier needs windows of at least 8 tokens and keys before or after RoPE");
@@ -1492,10 +1498,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas);
   const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
   qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
-  constexpr detail::record_query record_query = Records == record_rotation::each_key || Bits != 2 ? detail::record_query::none
-                                                 : Records == record_rotation::query_per_window ? detail::record_query::fp32
-                                                                                                : detail::record_query::fp16_parts;
-  detail::prepare_queries_kernel<D, E == element_type::bf16, record_query>
+  detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>>
       <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), 128, 0, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(a.batch));

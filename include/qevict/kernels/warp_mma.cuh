@@ -33,12 +33,6 @@ __device__ __forceinline__ float2 unpack_half2(std::uint32_t w) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-/// Two bf16 in one word -> two fp16 in one word. Exact for |x| in [2^-14, 65504], which holds for
-/// attention keys and values in practice; fp16 lets one tensor-core path serve both storage types.
-__device__ __forceinline__ std::uint32_t bf16x2_to_half2(std::uint32_t w) {
-  return pack_half2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-
 /// a * b - b on two fp16 lanes, rounded once (one HFMA2: the negation is an operand modifier).
 __device__ __forceinline__ std::uint32_t fma_half2_minus(std::uint32_t a, std::uint32_t b) {
   const __half2 hb = *reinterpret_cast<const __half2*>(&b);
@@ -145,16 +139,10 @@ __device__ __forceinline__ void ldmatrix_x4(const void* smem, std::uint32_t& r0,
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(const void* smem, std::uint32_t& r0, std::uint32_t& r1, std::uint32_t& r2,
-                                                  std::uint32_t& r3) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
-}
-
-/// N (1, 2 or 4) transposed 8x8 matrices: matrix m's row addresses from lanes 8m..8m+7.
+/// N (1, 2 or 4) transposed 8x8 matrices into r[0..N): matrix m's row addresses from lanes
+/// 8m..8m+7.
 template <int N>
-__device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t (&r)[N]) {
+__device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t* r) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   if constexpr (N == 1) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
@@ -165,12 +153,6 @@ __device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t (
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
   }
-}
-
-/// Two transposed 8x8 matrices (row addresses from lanes 0-15).
-__device__ __forceinline__ void ldmatrix_x2_trans(const void* smem, std::uint32_t& r0, std::uint32_t& r1) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s) : "memory");
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(std::uint32_t lo16) { return __uint_as_float(lo16 << 16); }
