@@ -54,6 +54,7 @@
 
 #include "qevict/core/layout.hpp"
 #include "qevict/kernels/check.cuh"
+#include "qevict/kernels/dependent_launch.cuh"
 #include "qevict/kernels/rope.cuh"
 #include "qevict/kernels/warp_mma.cuh"
 
@@ -942,6 +943,8 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
 /// kernel's CTAs (one per chunk) only load them; and e^{i j f_p} for j < 8.
 template <int D, bool Bf16, record_query RecordQuery>
 __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
+  // The decode kernel's CTAs may start now: they describe their items until they need the query.
+  grid::let_next_kernel_start();
   const int b = blockIdx.x, h = blockIdx.y;
   const lane_state lane = A.lanes[A.batch_lanes[b]];
   const long long position = lane.first_position + lane.tokens - 1;
@@ -1024,7 +1027,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
                 "decode_attention: a quantized top tier needs windows of at least 8 tokens and keys before or after RoPE");
   static_assert(D == 64 || D == 128, "decode_attention: head_dim must be 64 or 128");
   constexpr bool Bf16 = E == element_type::bf16;
-  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // KV heads vary fastest in the grid: the CTAs of one chunk's heads run together, and since a Full
+  // slot or a ledger record holds all heads of its window side by side, they read it as one block.
+  const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
   const int list = list_of(L, lane_index, h);
@@ -1060,6 +1065,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
                                  region);
   }
 
+  // Everything above reads what the kernels before prepare_queries_kernel wrote; the query
+  // fragments are its output (launch_dependent).
+  grid::wait_for_previous_kernel();
   // The query of head g (query_fragments): qa for token rows (and records dequantized in fp32),
   // qf for records used as stored, qr for window-relative records (rotated per window into qf).
   std::uint32_t qa[D / 16][4];
@@ -1264,6 +1272,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   warp::cp_async_wait<0>();
   __syncwarp();
+  // The merge kernel may launch once every CTA is past its copies; it waits for this grid to end
+  // before it reads the partials.
+  grid::let_next_kernel_start();
 
   // Warp partials -> shared memory (the warp's own stages, now idle).
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -1338,6 +1349,7 @@ __global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L
   // Chunks of each KV head: its unit's list decides its items.
   for (int h = threadIdx.x; h < L.kv_heads; h += blockDim.x)
     chunks_s[h] = (items_of<W>(L, lane, A.entry_counts[list_of(L, lane_index, h)]) + A.items_per_chunk - 1) / A.items_per_chunk;
+  grid::wait_for_previous_kernel();  // the decode kernel's partials (launch_dependent)
   __syncthreads();
   // Each query head's log-sum-exp over its chunks: a group of `span` lanes per head (the chunk
   // count rounded up to a power of two, at most a warp), each lane over every span-th chunk, so
@@ -1498,12 +1510,14 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas);
   const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
   qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
+  qevict::detail::require(chunks <= 65535, "decode_attention: more than 65535 chunks a lane (raise items_per_chunk)");
   detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>>
       <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), 128, 0, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(a.batch));
-  kernel<<<grid, detail::warps_per_cta * 32, smem_bytes, stream>>>(L, a);
-  QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+  // The kernel and the merge start while the kernel before them ends (kernels/dependent_launch.cuh):
+  // at batch 1 and short contexts the launch gaps are a good part of the step.
+  const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
+  launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
   const int hq = L.kv_heads * L.group;
   // Enough threads for every window of the longest lane (max_items items hold at most
   // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
@@ -1514,9 +1528,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   if (smem > 48 * 1024)
     QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  detail::decode_merge_kernel<D, EmitMass, Scorer, W>
-      <<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(a.batch)), 256, smem, stream>>>(L, a);
-  QEVICT_CUDA_CHECK_LAUNCH("decode_merge_kernel");
+  launch_dependent("decode_merge_kernel", detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
+                   dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(a.batch)), dim3(256), smem, stream, L, a);
 }
 
 /// Runtime dispatch over head_dim, element type and key frame; the window size W and the code widths
