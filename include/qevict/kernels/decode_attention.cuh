@@ -15,8 +15,9 @@
 // holds one ledger record: decode_layout::record_entries).
 // A CTA serves one (sequence, KV head, chunk of items) and the whole GQA group of that KV head;
 // each of its four warps takes two items at a time and streams its own items through shared
-// memory: 16-byte cp.async copies (zero-filled where a token does not exist) into rows padded by
-// 16 bytes, `stages` item pairs per warp, so that the next pair is in flight while one is computed.
+// memory: 16-byte cp.async copies (zero-filled where a token does not exist) into XOR-swizzled
+// rows (token_row_chunk), `stages` item pairs per warp, so that the next pair is in flight while
+// one is computed.
 //
 // Tensor cores (mma.m16n8k16, the cache's 16-bit type in — bf16 or fp16 — fp32 accumulate):
 //   S = Q K^T per item:  A = the group's queries (rows 0-7: high part, rows 8-15: the low part,
@@ -476,27 +477,41 @@ __device__ __forceinline__ int list_of(const decode_layout& L, int lane_index, i
   return lane_index * L.units + L.unit_of(h);
 }
 
-/// Items are staged in shared memory: rows of D elements padded by 16 bytes, so that the eight
-/// row addresses of an ldmatrix (and the row reads of the INT2 path) fall in different banks.
+/// One item in shared memory: token rows of D elements (keys in rows 0-7, values in rows 8-15,
+/// token_row_chunk), or a quantized record copied as is from the item's start.
 template <int D>
-constexpr int row_stride = D * 2 + 16;
-/// One item in shared memory: keys in rows 0-7, values in rows 8-15; a quantized record is
-/// copied as is (unpadded) from the item's start.
+constexpr int item_bytes = 16 * 2 * D;
+
+/// Byte offset in a staged item of 16-byte chunk c of token row r. Rows are not padded; chunk c
+/// of row r sits at chunk c ^ (r % 8) of its row. The eight rows that an ldmatrix reads at the same
+/// chunk then fall in eight different groups of banks, and every 32-byte sector of a copied row
+/// lands on one aligned 32-byte piece of shared memory. Rows padded by 16 bytes (the other way to
+/// avoid bank conflicts) put every other row off that alignment, and the 16-byte copies of such
+/// rows then asked L2 for about 1.5 times the sectors they needed.
 template <int D>
-constexpr int item_bytes = 16 * row_stride<D>;
+__device__ __forceinline__ int token_row_chunk(int r, int c) {
+  return r * (2 * D) + 16 * (c ^ (r & 7));
+}
+
+/// Items start on 256-byte boundaries (stage_alignment), so that a lane forms the shared address
+/// `at` of its chunk c of a token row once per item and reaches chunk c ^ dc of the same row (which
+/// is c + dc where the two share no set bits) with one XOR per load, rather than holding a
+/// lane-dependent offset per load in registers across the loop over items.
+__device__ __forceinline__ std::uint32_t chunk_step(std::uint32_t at, int dc) { return at ^ (16u * static_cast<unsigned>(dc)); }
+constexpr int stage_alignment = 256;
 /// Stages (item pairs in flight or in use) of each warp's copy pipeline.
 #ifndef QEVICT_DECODE_STAGES
 #define QEVICT_DECODE_STAGES 2
 #endif
 constexpr int stages = QEVICT_DECODE_STAGES;
 template <int D>
-constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D>;
+constexpr int dynamic_smem_bytes = warps_per_cta * stages * 2 * item_bytes<D> + stage_alignment;
 
 /// Where a quantized item's per-window key data sits in its slot, behind the record: e^{i t0 f_p}
 /// (D/2 float2) for keys stored before RoPE, the fp16 scale/zero entries of stage_key_meta
 /// (D/4 x 16 bytes) for keys stored after it.
 template <int D>
-constexpr int key_extra_offset = 16 * row_stride<D> - (D / 2) * 8;
+constexpr int key_extra_offset = item_bytes<D> - (D / 2) * 8;
 /// e^{i t0 f_p} of a window-relative record, in front of its staged key metadata.
 template <int D>
 constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
@@ -564,8 +579,11 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
   } else {
     // Lane l copies 16-byte column l % per_row of token rows r = l / per_row + k * (32 / per_row)
     // (k < passes): the key row r and the value row 8 + r, whose sources differ by one section.
+    // Row r0 + k * rows_per_pass is row r0 plus k * rows_per_pass rows, its chunks flipped by
+    // k * rows_per_pass (token_row_chunk, chunk_step; r0 < rows_per_pass).
     constexpr int per_row = D * 2 / 16, rows_per_pass = 32 / per_row, passes = 8 / rows_per_pass;
     const int col = lane_id % per_row;
+    const std::uint32_t at = warp::shared_address(dst) + token_row_chunk<D>(lane_id / per_row, col);
     const bool rows_kind = it.kind == 1 || (W < 8 && it.kind == 3);  // kind 3 only exists for W < 8
     const std::size_t section = W < 8 && it.kind == 3 ? static_cast<std::size_t>(W) * D * 2 : static_cast<std::size_t>(it.capacity) * D * 2;
 #pragma unroll
@@ -582,8 +600,9 @@ __device__ __forceinline__ void copy_item(const decode_layout& L, const item_vie
           key = it.base + static_cast<unsigned>(slot * (D * 2) + col * 16);
         }
       }
-      warp::cp_async16(dst + r * row_stride<D> + col * 16, key, ok ? 16 : 0);
-      warp::cp_async16(dst + (8 + r) * row_stride<D> + col * 16, ok ? key + section : key, ok ? 16 : 0);
+      const std::uint32_t to = chunk_step(at, k * rows_per_pass) + k * rows_per_pass * (2 * D);
+      warp::cp_async16(to, key, ok ? 16 : 0);
+      warp::cp_async16(to + 8 * (2 * D), ok ? key + section : key, ok ? 16 : 0);
     }
   }
 }
@@ -702,14 +721,15 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
                                            const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
   c[0] = c[1] = c[2] = c[3] = 0.f;
   if (!is_record<FullBits>(kind)) {
-    // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels).
-    // Two accumulators, so that consecutive products do not wait for each other.
-    const std::uint8_t* rowp = s_item + (lane_id & 7) * row_stride<D> + (lane_id >> 3) * 16;
+    // Keys as B fragments straight from shared memory: matrices (tokens 0-7) x (8 channels); lane
+    // l points at token l % 8, chunk 2s + l / 8. Two accumulators, so that consecutive products
+    // do not wait for each other.
+    const std::uint32_t at = warp::shared_address(s_item) + token_row_chunk<D>(lane_id & 7, lane_id >> 3);
     float odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < D / 16; s += 2) {
       std::uint32_t b0, b1, b2, b3;
-      warp::ldmatrix_x4(rowp + s * 32, b0, b1, b2, b3);
+      warp::ldmatrix_x4(chunk_step(at, 2 * s), b0, b1, b2, b3);
       warp::mma_16<Bf16>(c, qa[s][0], qa[s][1], qa[s][2], qa[s][3], b0, b1);
       warp::mma_16<Bf16>(odd, qa[s + 1][0], qa[s + 1][1], qa[s + 1][2], qa[s + 1][3], b2, b3);
     }
@@ -858,18 +878,20 @@ template <int D, bool Bf16, int Bits, int FullBits>
 __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind_a, const std::uint8_t* s_a, int kind_b,
                                                 const std::uint8_t* s_b, int g, int t, int lane_id,
                                                 std::uint32_t (&a)[D / 16][4]) {
-  const int half_col = ((lane_id >> 3) & 1) * 16, row = (8 + (lane_id & 7)) * row_stride<D>;
+  // Lane l points at value row 8 + l % 8, chunk 2i + (l / 8) % 2 (of item b for l >= 16 when
+  // both items are token rows).
+  const int lane_chunk = token_row_chunk<D>(8 + (lane_id & 7), (lane_id >> 3) & 1);
   if (!is_record<FullBits>(kind_a) && !is_record<FullBits>(kind_b)) {
-    const std::uint8_t* rowp = ((lane_id & 16) ? s_b : s_a) + row + half_col;
+    const std::uint32_t at = warp::shared_address((lane_id & 16) ? s_b : s_a) + lane_chunk;
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<4>(rowp + i * 32, a[i]);
+    for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<4>(chunk_step(at, 2 * i), a[i]);
     return;
   }
   auto one = [&](int kind, const std::uint8_t* s_item, int h) {
     if (!is_record<FullBits>(kind)) {
-      const std::uint8_t* rowp = s_item + row + half_col;
+      const std::uint32_t at = warp::shared_address(s_item) + lane_chunk;
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<2>(rowp + i * 32, a[i] + 2 * h);
+      for (int i = 0; i < D / 16; ++i) warp::ldmatrix_trans<2>(chunk_step(at, 2 * i), a[i] + 2 * h);
       return;
     }
     if constexpr (FullBits != 0) {
@@ -994,11 +1016,10 @@ __global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layou
 template <int D, bool Bf16>
 __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int lane_id, int t) {
   const int r = lane_id >> 2, k = lane_id & 3;
-  const std::uint8_t* row = s_item + (8 + r) * row_stride<D> + k * (D / 4) * 2;
   float sq = 0.f;
 #pragma unroll
-  for (int i = 0; i < D / 4; i += 8) {
-    const uint4 x = *reinterpret_cast<const uint4*>(row + 2 * i);
+  for (int i = 0; i < D / 4; i += 8) {  // channels k D/4 + i .. + 7: chunk (k D/4 + i) / 8
+    const uint4 x = *reinterpret_cast<const uint4*>(s_item + token_row_chunk<D>(8 + r, (k * (D / 4) + i) / 8));
     const std::uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1046,7 +1067,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
   constexpr int mass_items = EmitMass ? max_items_per_chunk : 1;
-  extern __shared__ __align__(128) std::uint8_t stage_s[];   // [warp][stage][2 items][item_bytes]
+  extern __shared__ __align__(128) std::uint8_t dynamic_s[];
+  // [warp][stage][2 items][item_bytes], from a stage_alignment boundary (chunk_step)
+  std::uint8_t* const stage_s = dynamic_s + (-warp::shared_address(dynamic_s) & (stage_alignment - 1));
   // Each window of the item, per head: log2 of its sum of 2^(s - m_ref), plus m_ref (the warp's
   // running maximum then). One float instead of the pair (sum, m_ref): 128 items fit beside three
   // CTAs per SM.

@@ -118,41 +118,49 @@ __device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
   }
 }
 
-/// Shared-memory pieces: 16-byte asynchronous copies (zero-filled past src_bytes) and 8x8 matrix loads.
+/// Shared-memory pieces: 16-byte asynchronous copies (zero-filled past src_bytes) and 8x8 matrix
+/// loads, each addressed by a pointer or by its shared-window address (shared_address), which
+/// address arithmetic such as an XOR swizzle works on.
+__device__ __forceinline__ std::uint32_t shared_address(const void* smem) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(smem));
+}
+__device__ __forceinline__ void cp_async16(std::uint32_t smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+  cp_async16(shared_address(smem), gmem, src_bytes);
 }
 /// 4-byte asynchronous copy (for data that is only 4-byte aligned); cached in L1 as well, the only
 /// form cp.async offers below 16 bytes.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(smem)), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ void ldmatrix_x4(const void* smem, std::uint32_t& r0, std::uint32_t& r1, std::uint32_t& r2,
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t smem, std::uint32_t& r0, std::uint32_t& r1, std::uint32_t& r2,
                                             std::uint32_t& r3) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(s) : "memory");
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(smem) : "memory");
 }
 /// N (1, 2 or 4) transposed 8x8 matrices into r[0..N): matrix m's row addresses from lanes
 /// 8m..8m+7.
 template <int N>
-__device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t* r) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void ldmatrix_trans(std::uint32_t smem, std::uint32_t* r) {
   if constexpr (N == 1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s) : "memory");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem) : "memory");
   } else if constexpr (N == 2) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s) : "memory");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem) : "memory");
   } else {
     static_assert(N == 4, "ldmatrix_trans: 1, 2 or 4 matrices");
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s) : "memory");
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem) : "memory");
   }
+}
+template <int N>
+__device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t* r) {
+  ldmatrix_trans<N>(shared_address(smem), r);
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(std::uint32_t lo16) { return __uint_as_float(lo16 << 16); }
