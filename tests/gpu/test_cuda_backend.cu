@@ -1,12 +1,14 @@
 // qevict::cache<Config, backend::cuda> against the host backend (the oracle) for the paper's
 // configuration, the two-tier allocator and the two other key frames of the records: outputs, scores, routing tables after every event and
 // the arenas must agree (backend_comparison.cuh says how closely). A NaN on the device is reported
-// by the next check() and leaves the cache as it was.
+// by the next check() and leaves the cache as it was. Decode steps captured in CUDA graphs give what
+// the same calls give when made directly.
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -155,4 +157,88 @@ TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
     c.items_per_chunk = ipc;
     run_case<paper>(c, 308);
   }
+}
+
+TEST_CASE("CUDA backend: decode steps captured in CUDA graphs match the same steps run directly") {
+  // Two caches with the same inputs, each on a stream of its own: one runs append + attend
+  // directly, the other captures the same calls into a graph per step and replays it once. Every
+  // Ω-th attend routes (routing_mode::automatic), so the graphs hold routing events too. A call
+  // that synchronized or allocated would fail the capture; a dependent launch that read its
+  // predecessor's output too early would change the output.
+  const geometry g{.layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 128, .element = element_type::bf16};
+  const limits lim{.max_batch = 3, .max_tokens = 2048};
+  cudaStream_t direct_stream, graph_stream;
+  QEVICT_CUDA_CHECK(cudaStreamCreateWithFlags(&direct_stream, cudaStreamNonBlocking));
+  QEVICT_CUDA_CHECK(cudaStreamCreateWithFlags(&graph_stream, cudaStreamNonBlocking));
+  backend::cuda::settings direct_set, graph_set;
+  direct_set.stream = direct_stream;
+  graph_set.stream = graph_stream;
+  {
+    qevict::cache<paper, backend::cuda> direct(g, budget::fraction(0.2), lim, direct_set);
+    qevict::cache<paper, backend::cuda> graphed(g, budget::fraction(0.2), lim, graph_set);
+    std::mt19937 rng(7);
+    const std::size_t krow = static_cast<std::size_t>(g.kv_heads) * g.head_dim, qrow = static_cast<std::size_t>(g.q_heads) * g.head_dim;
+    std::vector<sequence_id> seqs;
+    for (int i = 0; i < 3; ++i) {
+      const sequence_id a = direct.add_sequence(13 * i), b = graphed.add_sequence(13 * i);
+      REQUIRE(a == b);
+      seqs.push_back(a);
+      const int n = 400 + 90 * i;  // ragged
+      const std::vector<float> k = gpu_test::normal(rng, n * krow), v = gpu_test::normal(rng, n * krow),
+                               q = gpu_test::normal(rng, 8 * qrow);
+      device_buffer<float> dk(k), dv(v), dq(q);
+      for (auto* kv : {&direct, &graphed})
+        kv->prefill(0, a, std::span<const float>(dq.ptr, q.size()), std::span<const float>(dk.ptr, k.size()),
+                    std::span<const float>(dv.ptr, v.size()), std::span<float>());
+      direct.check();
+      graphed.check();
+    }
+    const std::size_t kn = seqs.size() * krow, qn = seqs.size() * qrow;
+    device_buffer<float> out_direct(qn), out_graphed(qn);
+    std::vector<std::size_t> nodes_per_step;
+    for (int step = 0; step < 3 * paper::routing_interval; ++step) {
+      CAPTURE(step);
+      const std::vector<float> k = gpu_test::normal(rng, kn), v = gpu_test::normal(rng, kn), q = gpu_test::normal(rng, qn, 1.5f);
+      device_buffer<float> dk(k), dv(v), dq(q);
+      const std::span<const float> sk(dk.ptr, kn), sv(dv.ptr, kn), sq(dq.ptr, qn);
+      direct.append(0, seqs, sk, sv);
+      direct.attend(0, seqs, sq, std::span<float>(out_direct.ptr, qn));
+
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      QEVICT_CUDA_CHECK(cudaStreamBeginCapture(graph_stream, cudaStreamCaptureModeThreadLocal));
+      graphed.append(0, seqs, sk, sv);
+      graphed.attend(0, seqs, sq, std::span<float>(out_graphed.ptr, qn));
+      QEVICT_CUDA_CHECK(cudaStreamEndCapture(graph_stream, &graph));
+      std::size_t nodes = 0;
+      QEVICT_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+      nodes_per_step.push_back(nodes);
+      QEVICT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      QEVICT_CUDA_CHECK(cudaGraphLaunch(exec, graph_stream));
+      direct.check();
+      graphed.check();
+      QEVICT_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      QEVICT_CUDA_CHECK(cudaGraphDestroy(graph));
+
+      // Same kernels on the same inputs: the outputs agree to float rounding at most.
+      const double err = rel_error(out_graphed.download(), out_direct.download(), g.head_dim);
+      CHECK_MESSAGE(err <= 1e-6, "graph replay against direct calls: relative error " << err);
+      for (sequence_id s : seqs) {
+        const auto wd = direct.windows(s, 0), wg = graphed.windows(s, 0);
+        REQUIRE(wd.size() == wg.size());
+        for (std::size_t i = 0; i < wd.size(); ++i) {
+          REQUIRE(wd[i].where == wg[i].where);
+          CHECK(std::abs(wd[i].score - wg[i].score) <= 1e-6 * std::max(1.0, std::abs(static_cast<double>(wd[i].score))));
+        }
+      }
+    }
+    // Steps that route capture the event's launches on top of append and attend.
+    const auto [fewest, most] = std::minmax_element(nodes_per_step.begin(), nodes_per_step.end());
+    CHECK(*fewest >= 4);
+    CHECK(*most > *fewest);
+    const auto counts = direct.counts(seqs[0], 0);
+    CHECK(counts.quantized > 0);  // the steps ran over Quantized windows
+  }
+  QEVICT_CUDA_CHECK(cudaStreamDestroy(direct_stream));
+  QEVICT_CUDA_CHECK(cudaStreamDestroy(graph_stream));
 }
