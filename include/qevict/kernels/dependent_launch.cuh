@@ -5,9 +5,9 @@
 // calls grid::wait_for_previous_kernel() before its first access to the previous kernel's results
 // (it returns once that kernel has completed and its writes are visible); the previous kernel may
 // call grid::let_next_kernel_start() where the rest of its work no longer needs the SMs to itself.
-// Both are no-ops for a kernel launched the ordinary way. Stream order and CUDA-graph capture are
-// kept: only the kernel right after a dependent launch's predecessor is relaxed, and it still waits
-// for every kernel before that one.
+// Both are no-ops for a kernel launched the ordinary way. Only the order between a dependent launch
+// and the kernel right before it is relaxed (that kernel itself started after everything before
+// it had finished); CUDA graphs captured from the stream keep the relation.
 
 #include <cuda_runtime.h>
 
