@@ -329,6 +329,11 @@ __device__ __forceinline__ float exp2_sfu(float x) {
   return y;
 }
 
+/// How far (in log2 units) a score may exceed its row's reference maximum before the reference
+/// is raised and the row's output rescaled: probabilities stay below 2^8 between rescales, far
+/// from any float range limit, and a row is rescaled only when a score grows past it.
+constexpr float rescale_margin = 8.0f;
+
 /// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
 /// give -inf.
 __device__ __forceinline__ float log2_sfu(float x) {
@@ -529,17 +534,39 @@ __device__ __forceinline__ const record_format& format_of(const decode_layout& L
   return FullBits != 0 && kind == 4 ? L.full_format : L.ledger_format;
 }
 
+/// An 8-token record of Bits-bit codes with bf16 scale and zero (the only metadata the kernel
+/// reads: backend/cuda/supports.hpp): the layout of every staged record, and the bytes of a window's
+/// record when W = 8.
+template <int D, int Bits>
+inline constexpr quantizers::record_layout staged_record{8, 1, D, Bits, 2};
+
+/// A whole 8-token record of `Bytes` bytes (W = 8) from `src` to `dst`: its size is known at
+/// compile time, so each lane copies its fixed 16-byte pieces (lane l: pieces l, l + 32, ...)
+/// with no loop or bounds to compute.
+template <int Bytes>
+__device__ __forceinline__ void copy_record(std::uint8_t* dst, const std::uint8_t* src, int lane_id) {
+  static_assert(Bytes % 16 == 0, "copy_record: records are whole 16-byte pieces");
+  constexpr int pieces = Bytes / 16;
+  const std::uint32_t to = warp::shared_address(dst) + 16 * lane_id;
+  const std::uint8_t* from = src + 16 * lane_id;
+#pragma unroll
+  for (int r = 0; r < (pieces + 31) / 32; ++r)
+    if ((r + 1) * 32 <= pieces || lane_id + 32 * r < pieces) warp::cp_async16(to + 512 * r, from + 512 * r, 16);
+}
+
 /// Asynchronous copy of one item's bytes for this KV head into its shared-memory slot. Token
 /// rows that do not exist (and every row of an empty item) are zero-filled, so that a zero
 /// probability never meets a stale NaN. `rows` holds a kind-3 item's key-row offsets.
-template <int D, int W, int FullBits>
+template <int D, int W, int Bits, int FullBits>
 __device__ __forceinline__ void copy_item(const decode_layout& L, const item_view& it, const std::uint32_t* rows,
                                           std::uint8_t* dst, const std::uint8_t* region, int lane_id) {
   if (is_record<FullBits>(it.kind)) {
-    const record_format& f = format_of<FullBits>(L, it.kind);
+    [[maybe_unused]] const record_format& f = format_of<FullBits>(L, it.kind);
     if constexpr (W == 8) {
-      const int pieces = static_cast<int>(f.head_bytes / 16);
-      for (int q = lane_id; q < pieces; q += 32) warp::cp_async16(dst + 16 * q, it.base + 16 * q, 16);
+      if constexpr (FullBits != 0) {
+        if (it.kind == 4) return copy_record<staged_record<D, FullBits>.head_bytes()>(dst, it.base, lane_id);
+      }
+      copy_record<staged_record<D, Bits>.head_bytes()>(dst, it.base, lane_id);
     } else if constexpr (W < 8) {
       // A whole W-token record (decode_layout::record_entries), into the first W tokens of the
       // staged layout. Such records are 4-byte aligned only (580 bytes a head at head_dim 128 and
@@ -1129,10 +1156,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (k < my_pairs) {
       const int pair = warp_id + k * warps_per_cta;
       std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        copy_item<D, W, FullBits>(L, items_s[2 * pair + j].view(region), rows_s[W < 8 ? 2 * pair + j : 0], dst + j * item_bytes<D>, region,
-                        lane_id);
+      const item_ref ra = items_s[2 * pair], rb = items_s[2 * pair + 1];
+      if (W == 8 && ra.kind() == 2 && rb.kind() == 2) {
+        // Two ledger records, the usual pair: both copies without a branch on their kinds.
+        copy_record<staged_record<D, Bits>.head_bytes()>(dst, region + ra.offset, lane_id);
+        copy_record<staged_record<D, Bits>.head_bytes()>(dst + item_bytes<D>, region + rb.offset, lane_id);
+      } else {
+        copy_item<D, W, Bits, FullBits>(L, ra.view(region), rows_s[W < 8 ? 2 * pair : 0], dst, region, lane_id);
+        copy_item<D, W, Bits, FullBits>(L, rb.view(region), rows_s[W < 8 ? 2 * pair + 1 : 0], dst + item_bytes<D>, region, lane_id);
+      }
     }
     warp::cp_async_commit();
   };
@@ -1215,16 +1247,33 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
     value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
 
-    // Online softmax, row = head g; the four threads of a row hold two tokens of each item.
+    // Online softmax, row = head g; the four threads of a row hold two tokens of each item. The
+    // row's reference m_run moves only when a score exceeds it by more than rescale_margin
+    // (every lane tests its own scores; one vote for the warp): probabilities then stay at most
+    // 2^rescale_margin, and the row maximum (two shuffles), the rescale factor and the rescaling
+    // of the output are needed only at the first pair and the rare pair that raises a row.
     float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);
-    const bool none = m_new == -INFINITY;
-    const float alpha = none ? 1.0f : exp2_sfu(m_run - m_new);
-    const float pa0 = none ? 0.f : exp2_sfu(sa[0] - m_new), pa1 = none ? 0.f : exp2_sfu(sa[1] - m_new);
-    const float pb0 = none ? 0.f : exp2_sfu(sb[0] - m_new), pb1 = none ? 0.f : exp2_sfu(sb[1] - m_new);
-    m_run = m_new;
+    float alpha = 1.0f;
+    if (__any_sync(0xffffffffu, mx > m_run + rescale_margin)) {
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      alpha = m_new == -INFINITY ? 1.0f : exp2_sfu(m_run - m_new);  // 0 when m_run was -inf
+      m_run = m_new;
+      // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1.
+      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        o[i][0] *= al0;
+        o[i][1] *= al1;
+        o[i][2] *= al0;
+        o[i][3] *= al1;
+      }
+    }
+    // A row that has seen no token yet (m_run = -inf) has only -inf scores: probability 0.
+    const float m_ref = m_run == -INFINITY ? 0.0f : m_run;
+    const float pa0 = exp2_sfu(sa[0] - m_ref), pa1 = exp2_sfu(sa[1] - m_ref);
+    const float pb0 = exp2_sfu(sb[0] - m_ref), pb1 = exp2_sfu(sb[1] - m_ref);
     l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
     z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
     if constexpr (EmitMass) {
@@ -1238,8 +1287,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         wa = value_norms<D, Bf16>(s_a, lane_id, t);
         wb = value_norms<D, Bf16>(s_b, lane_id, t);
       }
-      // log2(0) = -inf, and -inf + m_new stays -inf (also when m_new is -inf: nothing seen yet).
-      auto log_mass = [&](float sum) { return log2_sfu(sum) + m_new; };
+      // log2(0) = -inf, and -inf + m_ref stays -inf.
+      auto log_mass = [&](float sum) { return log2_sfu(sum) + m_ref; };
       if constexpr (W == 1) {
         mass_s[li_a][2 * t][g] = log_mass(pa0 * wa.x);
         mass_s[li_a][2 * t + 1][g] = log_mass(pa1 * wa.y);
@@ -1265,18 +1314,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
         mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
         mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
-      }
-    }
-    // Output columns are heads 2t and 2t+1: their rescale factors live on rows 2t and 2t+1. Once
-    // the first items are seen a row's maximum rarely grows, and then nothing needs rescaling.
-    if (__any_sync(0xffffffffu, alpha != 1.0f)) {
-      const float al0 = __shfl_sync(0xffffffffu, alpha, 8 * t), al1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i) {
-        o[i][0] *= al0;
-        o[i][1] *= al1;
-        o[i][2] *= al0;
-        o[i][3] *= al1;
       }
     }
     // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
@@ -1352,7 +1389,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       for (int li = threadIdx.x >> 3; li < chunk_items; li += warps_per_cta * 32 / 8)
 #pragma unroll
         for (int j = 0; j < S; ++j) {
-          const float lm = mass_s[li][j][hg];  // <= M, and M is finite wherever lm is
+          const float lm = mass_s[li][j][hg];  // <= M + rescale_margin, and M is finite wherever lm is
           out[(li * S + j) * G] = lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
         }
     }
@@ -1511,6 +1548,10 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // Items are kept as 32-bit offsets into their region, with 16-bit ring positions.
   qevict::detail::require(L.region_bytes <= 0xffffffffu && L.recent_capacity < 0x10000,
                           "decode_attention: a (sequence, layer) region must be below 4 GiB, its recent region below 65536 tokens");
+  // W = 8: a window's record is copied whole, at its compile-time size (copy_record).
+  qevict::detail::require(W != 8 || ((Bits == 0 || L.ledger_format.head_bytes == detail::staged_record<D, Bits>.head_bytes()) &&
+                                     (FullBits == 0 || L.full_format.head_bytes == detail::staged_record<D, FullBits>.head_bytes())),
+                          "decode_attention: a record's size differs from an 8-token record with bf16 scale and zero");
   qevict::detail::require(std::max(L.ledger_format.staged_bytes, L.full_format.staged_bytes) <=
                               static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
