@@ -102,15 +102,17 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   std::vector<kernels::lane_state> lanes(batch);
   std::vector<int> entry_counts(batch), batch_lanes(batch);
   for (int l = 0; l < batch; ++l) {
-    // Spread the kept windows over the whole context, as routing leaves them, Full ones among them.
+    // Spread the kept windows over the whole context, as routing leaves them, Full ones among
+    // them; listed as routing lists them: the Full windows, then the Quantized ones.
     const int kept = s.n_full + s.n_quantized;
     const int stride = std::max(1, kept / std::max(s.n_full, 1));
     int used_full = 0, used_quantized = 0;
+    kernels::window_entry* list = entries.data() + static_cast<std::size_t>(l) * s.layout.entries_per_lane;
     for (int i = 0; i < kept; ++i) {
       const int w = static_cast<int>(static_cast<long long>(i) * aged / std::max(kept, 1));
       const bool full = (used_full < s.n_full && i % stride == 0) || used_quantized >= s.n_quantized;
-      entries[static_cast<std::size_t>(l) * s.layout.entries_per_lane + i] =
-          full ? kernels::window_entry{w, used_full++} : kernels::window_entry{w, ~used_quantized++};
+      if (full) list[used_full] = kernels::window_entry{w, used_full}, ++used_full;
+      else list[s.n_full + used_quantized] = kernels::window_entry{w, ~used_quantized}, ++used_quantized;
     }
     lanes[l] = kernels::lane_state{context, aged, 0, static_cast<long long>(s.layout.region_offset(l))};
     entry_counts[l] = kept;

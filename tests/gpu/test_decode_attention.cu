@@ -35,6 +35,12 @@ struct case_spec {
   rope_layout layout = rope_layout::rotate_half;
   int max_len = 2000;
   int items_per_chunk = 32;  ///< split-K chunk (several chunks per lane at these lengths)
+  /// Window lists as the routing kernel writes them (the Full windows, then the Quantized ones),
+  /// or in window order, the two tiers interleaved (pairs of a record and token rows).
+  bool tiers_apart = true;
+  /// Scales the queries: large scales spread the scores over many powers of two, so that a row's
+  /// reference maximum is raised again and again while the kernel runs through its items.
+  float query_scale = 1.0f;
 };
 
 struct built_cache {
@@ -48,7 +54,7 @@ struct built_cache {
 /// Reads the lane states and window lists out of a host-backend arena.
 template <class Config>
 built_cache lanes_of(const cache<Config>& kv, const std::vector<std::byte>& arena, const std::vector<sequence_id>& seqs,
-                     const std::vector<long long>& first, const kernels::decode_layout& L) {
+                     const std::vector<long long>& first, const kernels::decode_layout& L, bool tiers_apart) {
   built_cache out;
   out.arena = arena;
   const region_plan& p = kv.plan();
@@ -61,10 +67,13 @@ built_cache lanes_of(const cache<Config>& kv, const std::vector<std::byte>& aren
     while (aged < static_cast<int>(ws.size()) && ws[static_cast<std::size_t>(aged)].where != tier::recent) ++aged;
     const auto* table = reinterpret_cast<const window_record*>(arena.data() + b * p.region_bytes);
     int n = 0;
-    for (int w = 0; w < aged; ++w) {
-      if (table[w].full_slot >= 0) out.entries[b * L.entries_per_lane + n++] = {w, table[w].full_slot};
-      else if (table[w].ledger_slot >= 0) out.entries[b * L.entries_per_lane + n++] = {w, ~table[w].ledger_slot};
-    }
+    for (int pass = 0; pass < (tiers_apart ? 2 : 1); ++pass)
+      for (int w = 0; w < aged; ++w) {
+        const bool full = table[w].full_slot >= 0, quantized = !full && table[w].ledger_slot >= 0;
+        if (tiers_apart && (pass == 0 ? !full : !quantized)) continue;
+        if (full) out.entries[b * L.entries_per_lane + n++] = {w, table[w].full_slot};
+        else if (quantized) out.entries[b * L.entries_per_lane + n++] = {w, ~table[w].ledger_slot};
+      }
     kernels::lane_state& s = out.lanes[b];
     s.tokens = kv.tokens(seqs[b], 0);
     s.aged = aged;
@@ -132,10 +141,10 @@ void run_case(const case_spec& spec, unsigned seed) {
 
   const kernels::decode_layout L = kernels::decode_layout::for_config<Config>(kv.plan(), g.rope.layout);
   const std::vector<std::byte> snapshot(base, base + cache<Config>::required_bytes(g, spec.b, lim));
-  const built_cache built = lanes_of(kv, snapshot, seqs, first, L);
+  const built_cache built = lanes_of(kv, snapshot, seqs, first, L, spec.tiers_apart);
 
   // Host reference.
-  const std::vector<float> q = gpu_test::normal(rng, qrow * spec.batch, 1.5f);
+  const std::vector<float> q = gpu_test::normal(rng, qrow * spec.batch, 1.5f * spec.query_scale);
   std::vector<float> ref(q.size());
   kv.attend(0, seqs, q, ref);
 
@@ -278,4 +287,36 @@ TEST_CASE("decode attention with every split-K chunk size") {
     run_case<cfg_window_relative>(case_spec{128, 1, 32, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 1200, ipc}, seed++);
     run_case(case_spec{64, 4, 1, element_type::f16, budget::everything(), rope_layout::rotate_half, 3000, ipc}, seed++);
   }
+}
+
+TEST_CASE("decode attention over window lists with the tiers interleaved") {
+  // Window order, as a list may hold them: most pairs then mix a record with token rows.
+  unsigned seed = 9500;
+  for (int d : {64, 128})
+    for (element_type e : {element_type::bf16, element_type::f16}) {
+      CAPTURE(d);
+      CAPTURE(static_cast<int>(e));
+      case_spec spec{d, 4, 7, e, budget::fraction(0.2), rope_layout::rotate_half, 3000};
+      spec.tiers_apart = false;
+      run_case(spec, seed++);
+      run_case<cfg_post_rope>(spec, seed++);
+      run_case<cfg_window_relative>(spec, seed++);
+    }
+}
+
+TEST_CASE("decode attention with scores spread over many powers of two") {
+  // Queries 6 and 12 times larger: a row's scores then span dozens of log2 units, so that its
+  // reference maximum is raised past the rescale margin at later items, not only the first pair,
+  // and most probabilities underflow.
+  unsigned seed = 9700;
+  for (float scale : {6.0f, 12.0f})
+    for (int group : {1, 4, 8}) {
+      CAPTURE(scale);
+      CAPTURE(group);
+      case_spec spec{128, group, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 3000};
+      spec.query_scale = scale;
+      run_case(spec, seed++);
+      run_case<cfg_post_rope>(spec, seed++);
+      run_case<cfg_window_relative>(spec, seed++);
+    }
 }

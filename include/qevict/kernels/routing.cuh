@@ -254,10 +254,13 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     }
   }
   __syncthreads();
-  // Each unit's window list in window order, and after_routing on every live entry (each entry is
-  // visited once, by the first pass over its unit). With records of windows shorter than 8 tokens
-  // (L.record_entries > 1) a second pass lists the Quantized windows after the Full ones, each
-  // followed by padding, and the Full ones are padded to whole items (decode_layout::record_entries).
+  // Each unit's window list: its Full windows in window order, then its Quantized ones (a second
+  // pass), and after_routing on every live entry (each entry is visited once, by the first pass
+  // over its unit). Listing each tier together makes nearly every item pair the decode kernel
+  // takes two items of one kind (two records, or two of token rows), the kinds it handles without
+  // branches. With records of windows shorter than 8 tokens (L.record_entries > 1) each Quantized
+  // window is followed by padding, and the Full ones are padded to whole items
+  // (decode_layout::record_entries).
   {
     const int R = L.record_entries;
     constexpr window_entry padding{-1, 0};
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       const std::size_t list = static_cast<std::size_t>(l) * U + u;
       window_entry* out = S.entries + list * L.entries_per_lane;
       int carry = 0;
-      for (int pass = 0; pass < (R > 1 ? 2 : 1); ++pass) {
+      for (int pass = 0; pass < 2; ++pass) {
         const int span = pass == 1 ? R : 1;  // entries per listed window
         for (int base = 0; base < started; base += blockDim.x) {
           const int w = base + threadIdx.x;
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
           if (w < started) {
             rec = table[w * U + u];
             const tier t = tier_of(rec, w < aged_after);
-            f[0] = R == 1 ? (t == tier::full || t == tier::quantized) : t == (pass == 0 ? tier::full : tier::quantized);
+            f[0] = t == (pass == 0 ? tier::full : tier::quantized);
             if (pass == 0 && t != tier::evicted) table[w * U + u].score = Scorer::after_routing(rec.score);
           }
           int rank[1], total[1];
