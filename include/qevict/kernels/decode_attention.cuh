@@ -521,6 +521,25 @@ constexpr int key_extra_offset = item_bytes<D> - (D / 2) * 8;
 template <int D>
 constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 
+/// An 8-token record of Bits-bit codes with bf16 scale and zero (the only metadata the kernel
+/// reads: backend/cuda/supports.hpp): the layout of every staged record, and the bytes of a window's
+/// record when W = 8.
+template <int D, int Bits>
+inline constexpr quantizers::record_layout staged_record{8, 1, D, Bits, 2};
+
+/// The compact slots of a chunk of ledger records only (W = 8, 2-bit codes used as stored or
+/// window-relative): each record item takes `bytes` (the record, the staged key metadata at
+/// `meta`, and for window-relative records e^{i t0 f_p} at `cs`) instead of an item of token rows,
+/// so that a warp's stages hold `stages` pairs (at most 4) rather than two.
+template <int D, bool QueryPerWindow>
+struct record_slots {
+  static constexpr int meta = static_cast<int>(staged_record<D, 2>.head_bytes() + 15) / 16 * 16;
+  static constexpr int cs = meta + (D / 4) * 16;
+  static constexpr int bytes = (cs + (QueryPerWindow ? (D / 2) * 8 : 0) + 127) / 128 * 128;
+  static constexpr int stages = std::min(4, (QEVICT_DECODE_STAGES * 2 * item_bytes<D>) / (2 * bytes));
+  static_assert(stages >= 2, "record_slots: the stages hold at least two pairs of records");
+};
+
 /// Whether an item of `kind` is (part of) a record: a ledger record, or a Full slot's record
 /// when the top tier is quantized (FullBits != 0).
 template <int FullBits>
@@ -533,12 +552,6 @@ template <int FullBits>
 __device__ __forceinline__ const record_format& format_of(const decode_layout& L, int kind) {
   return FullBits != 0 && kind == 4 ? L.full_format : L.ledger_format;
 }
-
-/// An 8-token record of Bits-bit codes with bf16 scale and zero (the only metadata the kernel
-/// reads: backend/cuda/supports.hpp): the layout of every staged record, and the bytes of a window's
-/// record when W = 8.
-template <int D, int Bits>
-inline constexpr quantizers::record_layout staged_record{8, 1, D, Bits, 2};
 
 /// A whole 8-token record of `Bytes` bytes (W = 8) from `src` to `dst`: its size is known at
 /// compile time, so each lane copies its fixed 16-byte pieces (lane l: pieces l, l + 32, ...)
@@ -778,12 +791,12 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
 /// takes it (no register moves).
 /// Both are exact in fp16: a bf16 value has 8 significant bits (fp16 has 11), for magnitudes in
 /// fp16's range (scale <= 16376, |zero| <= 65504; below 2^-17 they round by under 2^-25).
-template <int D>
-__device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint8_t* s_item, int lane_id) {
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id) {
   if (lane_id >= D / 4) return;
   const int s = lane_id >> 2, t = lane_id & 3;
-  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + L.ledger_format.staged_key_scale);
-  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + L.ledger_format.staged_key_zero);
+  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + staged_record<D, 2>.key_scale_offset());
+  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + staged_record<D, 2>.key_zero_offset());
   auto pair = [&](int c0, int c1, std::uint32_t& scale4, std::uint32_t& zeros) {
     scale4 = warp::pack_half2(4.0f * warp::bf16_bits_to_float(scale[c0]), 4.0f * warp::bf16_bits_to_float(scale[c1]));
     zeros = warp::pack_half2(warp::bf16_bits_to_float(zero[c0]), warp::bf16_bits_to_float(zero[c1]));
@@ -791,7 +804,7 @@ __device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint
   uint4 e;
   pair(16 * s + t, 16 * s + t + 8, e.x, e.z);
   pair(16 * s + t + 4, 16 * s + t + 12, e.y, e.w);
-  *reinterpret_cast<uint4*>(s_item + key_extra_offset<D> + 16 * lane_id) = e;
+  *reinterpret_cast<uint4*>(s_item + MetaOffset + 16 * lane_id) = e;
 }
 
 /// Scores of a quantized item whose keys are stored after RoPE: c[0], c[1] = head g's scores of
@@ -802,13 +815,13 @@ __device__ __forceinline__ void stage_key_meta(const decode_layout& L, std::uint
 /// both products go through the tensor cores exactly: scale * code as one fp16 FMA of the code
 /// placed in the mantissa of 1.0, (1 + code/4) * 4 scale - 4 scale (10 significant bits at most),
 /// and the zero as a second product whose B columns all hold the zeros.
-template <int D>
+template <int D, int MetaOffset = key_extra_offset<D>>
 __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, int t,
                                              const std::uint32_t (&qf)[D / 16][4], float (&c)[4]) {
   c[0] = c[1] = c[2] = c[3] = 0.f;
   std::uint32_t cw[D / 16];
   load_code_words<D>(s_item + g * (D / 4), cw);
-  const uint4* meta = reinterpret_cast<const uint4*>(s_item + key_extra_offset<D>) + t;
+  const uint4* meta = reinterpret_cast<const uint4*>(s_item + MetaOffset) + t;
   // Two independent accumulators (even and odd chunks), each taking a chunk's code product and
   // then its zero product: with the two items of a pair interleaved, four chains hide the
   // tensor cores' latency, and the sum at the end is one addition per score.
@@ -826,6 +839,45 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
+}
+
+/// score_record for both items of a pair of records whose keys are used as stored (the same
+/// query): scores of head g, tokens 2t and 2t+1, into sa (item a) and sb (item b). The zero points
+/// of both items go through one tensor-core product per chunk instead of one per item: its B
+/// column n holds item a's zeros for even n and item b's for odd n, so that every lane receives
+/// Z_a = q . zero_a in its even column and Z_b in its odd one, as the scores of its tokens need
+/// them. The products are those of score_record; only the order of the additions differs.
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ void score_record_pair(const std::uint8_t* s_a, const std::uint8_t* s_b, int g, int t,
+                                                  const std::uint32_t (&qf)[D / 16][4], float (&sa)[2], float (&sb)[2]) {
+  std::uint32_t cwa[D / 16], cwb[D / 16];
+  load_code_words<D>(s_a + g * (D / 4), cwa);
+  load_code_words<D>(s_b + g * (D / 4), cwb);
+  // Entry (s, t) of stage_key_meta: {4 scale pairs} then {zero pairs}, 16 bytes, at 64 s + 16 t.
+  const std::uint8_t* ma = s_a + MetaOffset + 16 * t;
+  const std::uint8_t* mb = s_b + MetaOffset + 16 * t;
+  const std::uint8_t* mz = ((g & 1) ? mb : ma) + 8;
+  float acc_a[2][4] = {}, acc_b[2][4] = {}, acc_z[4] = {};
+  const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const uint2 fa = *reinterpret_cast<const uint2*>(ma + 64 * s), fb = *reinterpret_cast<const uint2*>(mb + 64 * s);
+    const uint2 z = *reinterpret_cast<const uint2*>(mz + 64 * s);
+    const std::uint32_t xa = cwa[s] >> (2 * t), xb = cwb[s] >> (2 * t);
+    warp::mma_f16(acc_z, qf[s][0], qf[s][1], qf[s][2], qf[s][3], z.x, z.y);
+    warp::mma_f16(acc_a[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3],
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xa << 8, one), fa.x),
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xa, one), fa.y));
+    warp::mma_f16(acc_b[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3],
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xb << 8, one), fb.x),
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xb, one), fb.y));
+  }
+  // Rows 0-7 hold the query's high part, rows 8-15 its low part (c[0], c[1] and c[2], c[3]).
+  const float za = acc_z[0] + acc_z[2], zb = acc_z[1] + acc_z[3];
+  sa[0] = ((acc_a[0][0] + acc_a[1][0]) + (acc_a[0][2] + acc_a[1][2])) + za;
+  sa[1] = ((acc_a[0][1] + acc_a[1][1]) + (acc_a[0][3] + acc_a[1][3])) + za;
+  sb[0] = ((acc_b[0][0] + acc_b[1][0]) + (acc_b[0][2] + acc_b[1][2])) + zb;
+  sb[1] = ((acc_b[0][1] + acc_b[1][1]) + (acc_b[0][3] + acc_b[1][3])) + zb;
 }
 
 /// The query rotated back by a window's start, R(t0)^T q, as score_record's fp16 high/low A
@@ -1106,13 +1158,16 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
+  bool described_records = true;  // whether every item this thread described is a ledger record
   {
     const head_sections at = sections_of<2, FullBits>(L, region, h);
     const window_entry* entries = A.entries + static_cast<std::size_t>(list) * L.entries_per_lane;
-    for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x)
-      items_s[li] = item_ref::of(describe_item<W, FullBits>(L, at, region, lane, entries, n_entries, first_item + li,
-                                                  first_item + chunk_items, rows_s[W < 8 ? li : 0]),
-                                 region);
+    for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x) {
+      const item_view v = describe_item<W, FullBits>(L, at, region, lane, entries, n_entries, first_item + li,
+                                                     first_item + chunk_items, rows_s[W < 8 ? li : 0]);
+      described_records = described_records && v.kind == 2;
+      items_s[li] = item_ref::of(v, region);
+    }
   }
 
   // Everything above reads what the kernels before prepare_queries_kernel wrote; the query
@@ -1139,7 +1194,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       }
     }
   }
-  __syncthreads();
+  // Chunks whose items (an even number) are all ledger records take the records' own loop.
+  constexpr bool RecordLoop = Fp16Records && W == 8 && FullBits == 0;
+  const bool records_only = RecordLoop ? __syncthreads_and(described_records) != 0 : (__syncthreads(), false);
 
   float o[D / 16][4];
 #pragma unroll
@@ -1150,103 +1207,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
   const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
-  // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
-  // while pair k is computed.
-  auto issue = [&](int k) {
-    if (k < my_pairs) {
-      const int pair = warp_id + k * warps_per_cta;
-      std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
-      const item_ref ra = items_s[2 * pair], rb = items_s[2 * pair + 1];
-      if (W == 8 && ra.kind() == 2 && rb.kind() == 2) {
-        // Two ledger records, the usual pair: both copies without a branch on their kinds.
-        copy_record<staged_record<D, Bits>.head_bytes()>(dst, region + ra.offset, lane_id);
-        copy_record<staged_record<D, Bits>.head_bytes()>(dst + item_bytes<D>, region + rb.offset, lane_id);
-      } else {
-        copy_item<D, W, Bits, FullBits>(L, ra.view(region), rows_s[W < 8 ? 2 * pair : 0], dst, region, lane_id);
-        copy_item<D, W, Bits, FullBits>(L, rb.view(region), rows_s[W < 8 ? 2 * pair + 1 : 0], dst + item_bytes<D>, region, lane_id);
-      }
-    }
-    warp::cp_async_commit();
-  };
-#pragma unroll
-  for (int k = 0; k < stages - 1; ++k) issue(k);
 
-  for (int k = 0; k < my_pairs; ++k) {
-    issue(k + stages - 1);
-    const int pair = warp_id + k * warps_per_cta;
-    const int li_a = 2 * pair, li_b = 2 * pair + 1;
-    const item_ref ra = items_s[li_a], rb = items_s[li_b];
-    const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
-    std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
-    std::uint8_t* s_b = s_a + item_bytes<D>;
-    // e^{i t0 f_p} of a quantized item, stored in its slot behind the record (window-relative
-    // records: in front of the key metadata that stage_key_meta writes there).
-    constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
-    float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
-    float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
-    const bool record_a = is_record<FullBits>(kind_a), record_b = is_record<FullBits>(kind_b);
-    if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
-      // Keys rotated one by one: from the item's first token; the query rotated per window: by
-      // the window's first token, the frame of the whole record.
-      const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
-      const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
-      for (int p = lane_id; p < D / 2; p += 32) {
-        const double f = A.inv_freq[p];
-        float c, s;
-        if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
-        if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
-      }
-    }
-    warp::cp_async_wait<stages - 1>();
-    __syncwarp();
-    // Most pairs are two records (keys after RoPE): for them the work below is branch-free, so
-    // that the two items' independent instruction streams interleave.
-    const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
-    if constexpr (Fp16Records) {
-      if (two_records) {
-        stage_key_meta<D>(L, s_a, lane_id);
-        stage_key_meta<D>(L, s_b, lane_id);
-      } else {
-        if (kind_a == 2) stage_key_meta<D>(L, s_a, lane_id);
-        if (kind_b == 2) stage_key_meta<D>(L, s_b, lane_id);
-      }
-      __syncwarp();
-    }
-
-    float sa[2], sb[2];
-    {
-      float ca[4], cb[4];
-      if (two_records) {
-        if constexpr (QueryPerWindow) {
-          query_for_window<D>(qr, cs_a, L.layout, t, qf);
-          score_record<D>(s_a, g, t, qf, ca);
-          query_for_window<D>(qr, cs_b, L.layout, t, qf);
-          score_record<D>(s_b, g, t, qf, cb);
-        } else {
-          score_record<D>(s_a, g, t, qf, ca);
-          score_record<D>(s_b, g, t, qf, cb);
-        }
-      } else {
-        auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
-          if (Fp16Records && kind == 2) {
-            if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
-            score_record<D>(s_item, g, t, qf, c);
-          } else {
-            score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
-          }
-        };
-        score(kind_a, s_a, cs_a, ca);
-        score(kind_b, s_b, cs_b, cb);
-      }
-      sa[0] = 2 * t < valid_a ? ca[0] + ca[2] : -INFINITY;
-      sa[1] = 2 * t + 1 < valid_a ? ca[1] + ca[3] : -INFINITY;
-      sb[0] = 2 * t < valid_b ? cb[0] + cb[2] : -INFINITY;
-      sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
-    }
-    float2 vs_a, vz_a, vs_b, vz_b;
-    value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
-    value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
-
+  // One pair's scores into the output, the softmax state and the window masses: sa, sb are the
+  // scores of tokens 2t, 2t+1 of items li_a and li_a + 1 for head g, (vs, vz) their values' scale
+  // and zero, and load_values(v) writes the pair's V^T fragments.
+  auto absorb = [&](int li_a, const float (&sa)[2], const float (&sb)[2], float2 vs_a, float2 vz_a, float2 vs_b, float2 vz_b,
+                    const std::uint8_t* s_a, const std::uint8_t* s_b, auto&& load_values) {
+    const int li_b = li_a + 1;
     // Online softmax, row = head g; the four threads of a row hold two tokens of each item. The
     // row's reference m_run moves only when a score exceeds it by more than rescale_margin
     // (every lane tests its own scores; one vote for the warp): probabilities then stay at most
@@ -1322,13 +1289,179 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
     std::uint32_t v[D / 16][4];
-    value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
+    load_values(v);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
       if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
     }
-    __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
+  };
+
+  if (records_only) {
+    if constexpr (RecordLoop) {
+      // A chunk of ledger records only (lists hold the Full windows first, so most chunks are):
+      // compact slots (the record, its staged key metadata, e^{i t0 f_p} for window-relative
+      // records) let the warp keep record_stages pairs in its stages instead of two, and the loop
+      // has no branch on item kinds. Every item has its 8 tokens.
+      using slots = record_slots<D, QueryPerWindow>;
+      constexpr int RS = slots::stages;
+      auto issue = [&](int k) {
+        if (k < my_pairs) {
+          const int pair = warp_id + k * warps_per_cta;
+          std::uint8_t* dst = my_stages + (k % RS) * 2 * slots::bytes;
+          copy_record<staged_record<D, Bits>.head_bytes()>(dst, region + items_s[2 * pair].offset, lane_id);
+          copy_record<staged_record<D, Bits>.head_bytes()>(dst + slots::bytes, region + items_s[2 * pair + 1].offset, lane_id);
+        }
+        warp::cp_async_commit();
+      };
+#pragma unroll
+      for (int k = 0; k < RS - 1; ++k) issue(k);
+      for (int k = 0; k < my_pairs; ++k) {
+        issue(k + RS - 1);
+        const int li_a = 2 * (warp_id + k * warps_per_cta);
+        std::uint8_t* s_a = my_stages + (k % RS) * 2 * slots::bytes;
+        std::uint8_t* s_b = s_a + slots::bytes;
+        float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
+        float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
+        if constexpr (QueryPerWindow) {
+          const long long t0_a = first_position(items_s[li_a].window), t0_b = first_position(items_s[li_a + 1].window);
+          for (int p = lane_id; p < D / 2; p += 32) {
+            const double f = A.inv_freq[p];
+            float c, s;
+            thread::rope_cos_sin_approx(t0_a, f, c, s);
+            cs_a[p] = make_float2(c, s);
+            thread::rope_cos_sin_approx(t0_b, f, c, s);
+            cs_b[p] = make_float2(c, s);
+          }
+        }
+        warp::cp_async_wait<RS - 1>();
+        __syncwarp();
+        stage_key_meta<D, slots::meta>(s_a, lane_id);
+        stage_key_meta<D, slots::meta>(s_b, lane_id);
+        __syncwarp();
+        float sa[2], sb[2];
+        if constexpr (QueryPerWindow) {
+          float ca[4], cb[4];
+          query_for_window<D>(qr, cs_a, L.layout, t, qf);
+          score_record<D, slots::meta>(s_a, g, t, qf, ca);
+          query_for_window<D>(qr, cs_b, L.layout, t, qf);
+          score_record<D, slots::meta>(s_b, g, t, qf, cb);
+          sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
+        } else {
+          score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
+        }
+        float2 vs_a, vz_a, vs_b, vz_b;
+        value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
+        value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
+        absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
+          record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_a, lane_id, 0, v);
+          record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_b, lane_id, 1, v);
+        });
+        __syncwarp();  // the stage is rewritten by later pairs
+      }
+    }
+  } else {
+    // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
+    // while pair k is computed.
+    auto issue = [&](int k) {
+      if (k < my_pairs) {
+        const int pair = warp_id + k * warps_per_cta;
+        std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
+        const item_ref ra = items_s[2 * pair], rb = items_s[2 * pair + 1];
+        if (W == 8 && ra.kind() == 2 && rb.kind() == 2) {
+          // Two ledger records: both copies without a branch on their kinds.
+          copy_record<staged_record<D, Bits>.head_bytes()>(dst, region + ra.offset, lane_id);
+          copy_record<staged_record<D, Bits>.head_bytes()>(dst + item_bytes<D>, region + rb.offset, lane_id);
+        } else {
+          copy_item<D, W, Bits, FullBits>(L, ra.view(region), rows_s[W < 8 ? 2 * pair : 0], dst, region, lane_id);
+          copy_item<D, W, Bits, FullBits>(L, rb.view(region), rows_s[W < 8 ? 2 * pair + 1 : 0], dst + item_bytes<D>, region, lane_id);
+        }
+      }
+      warp::cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < stages - 1; ++k) issue(k);
+
+    for (int k = 0; k < my_pairs; ++k) {
+      issue(k + stages - 1);
+      const int pair = warp_id + k * warps_per_cta;
+      const int li_a = 2 * pair, li_b = 2 * pair + 1;
+      const item_ref ra = items_s[li_a], rb = items_s[li_b];
+      const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
+      std::uint8_t* s_a = my_stages + (k % stages) * 2 * item_bytes<D>;
+      std::uint8_t* s_b = s_a + item_bytes<D>;
+      // e^{i t0 f_p} of a quantized item, stored in its slot behind the record (window-relative
+      // records: in front of the key metadata that stage_key_meta writes there).
+      constexpr int cs_offset = QueryPerWindow ? window_cs_offset<D> : key_extra_offset<D>;
+      float2* cs_a = reinterpret_cast<float2*>(s_a + cs_offset);
+      float2* cs_b = reinterpret_cast<float2*>(s_b + cs_offset);
+      const bool record_a = is_record<FullBits>(kind_a), record_b = is_record<FullBits>(kind_b);
+      if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
+        // Keys rotated one by one: from the item's first token; the query rotated per window: by
+        // the window's first token, the frame of the whole record.
+        const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
+        const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
+        for (int p = lane_id; p < D / 2; p += 32) {
+          const double f = A.inv_freq[p];
+          float c, s;
+          if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
+          if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
+        }
+      }
+      warp::cp_async_wait<stages - 1>();
+      __syncwarp();
+      // Pairs of two records (keys after RoPE) take branch-free work below, so that the two
+      // items' independent instruction streams interleave.
+      const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
+      if constexpr (Fp16Records) {
+        if (two_records) {
+          stage_key_meta<D>(s_a, lane_id);
+          stage_key_meta<D>(s_b, lane_id);
+        } else {
+          if (kind_a == 2) stage_key_meta<D>(s_a, lane_id);
+          if (kind_b == 2) stage_key_meta<D>(s_b, lane_id);
+        }
+        __syncwarp();
+      }
+
+      float sa[2], sb[2];
+      {
+        float ca[4], cb[4];
+        if (two_records) {
+          if constexpr (QueryPerWindow) {
+            query_for_window<D>(qr, cs_a, L.layout, t, qf);
+            score_record<D>(s_a, g, t, qf, ca);
+            query_for_window<D>(qr, cs_b, L.layout, t, qf);
+            score_record<D>(s_b, g, t, qf, cb);
+          } else {
+            score_record<D>(s_a, g, t, qf, ca);
+            score_record<D>(s_b, g, t, qf, cb);
+          }
+        } else {
+          auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
+            if (Fp16Records && kind == 2) {
+              if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
+              score_record<D>(s_item, g, t, qf, c);
+            } else {
+              score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+            }
+          };
+          score(kind_a, s_a, cs_a, ca);
+          score(kind_b, s_b, cs_b, cb);
+        }
+        sa[0] = 2 * t < valid_a ? ca[0] + ca[2] : -INFINITY;
+        sa[1] = 2 * t + 1 < valid_a ? ca[1] + ca[3] : -INFINITY;
+        sb[0] = 2 * t < valid_b ? cb[0] + cb[2] : -INFINITY;
+        sb[1] = 2 * t + 1 < valid_b ? cb[1] + cb[3] : -INFINITY;
+      }
+      float2 vs_a, vz_a, vs_b, vz_b;
+      value_meta<FullBits>(L, kind_a, s_a, t, vs_a, vz_a);
+      value_meta<FullBits>(L, kind_b, s_b, t, vs_b, vz_b);
+      absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
+        value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
+      });
+      __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
+    }
   }
   warp::cp_async_wait<0>();
   __syncwarp();
