@@ -330,9 +330,14 @@ __device__ __forceinline__ float exp2_sfu(float x) {
 }
 
 /// How far (in log2 units) a score may exceed its row's reference maximum before the reference
-/// is raised and the row's output rescaled: probabilities stay below 2^8 between rescales, far
-/// from any float range limit, and a row is rescaled only when a score grows past it.
-constexpr float rescale_margin = 8.0f;
+/// is raised and the row's output rescaled. With bf16 values (Bf16) probabilities enter the tensor
+/// cores as high and low bf16 parts (16 bits), and may grow to 2^8 between rescales, far from any
+/// range limit. With fp16 values they enter as one fp16 part (11 bits), which must not overflow
+/// once multiplied by a value's scale, and the row's largest probability must stay exactly 1, as
+/// the host's softmax has it: the reference is then the row's running maximum (margin 0), raised
+/// at every pair that passes it.
+template <bool Bf16>
+inline constexpr float rescale_margin = Bf16 ? 8.0f : 0.0f;
 
 /// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
 /// give -inf.
@@ -1213,15 +1218,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // and zero, and load_values(v) writes the pair's V^T fragments.
   auto absorb = [&](int li_a, const float (&sa)[2], const float (&sb)[2], float2 vs_a, float2 vz_a, float2 vs_b, float2 vz_b,
                     const std::uint8_t* s_a, const std::uint8_t* s_b, auto&& load_values) {
-    const int li_b = li_a + 1;
+    [[maybe_unused]] const int li_b = li_a + 1;
     // Online softmax, row = head g; the four threads of a row hold two tokens of each item. The
     // row's reference m_run moves only when a score exceeds it by more than rescale_margin
     // (every lane tests its own scores; one vote for the warp): probabilities then stay at most
     // 2^rescale_margin, and the row maximum (two shuffles), the rescale factor and the rescaling
-    // of the output are needed only at the first pair and the rare pair that raises a row.
+    // of the output are needed only at the pairs that raise a row.
     float mx = fmaxf(fmaxf(sa[0], sa[1]), fmaxf(sb[0], sb[1]));
     float alpha = 1.0f;
-    if (__any_sync(0xffffffffu, mx > m_run + rescale_margin)) {
+    if (__any_sync(0xffffffffu, mx > m_run + rescale_margin<Bf16>)) {
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run, mx);
@@ -1522,7 +1527,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       for (int li = threadIdx.x >> 3; li < chunk_items; li += warps_per_cta * 32 / 8)
 #pragma unroll
         for (int j = 0; j < S; ++j) {
-          const float lm = mass_s[li][j][hg];  // <= M + rescale_margin, and M is finite wherever lm is
+          const float lm = mass_s[li][j][hg];  // <= M + rescale_margin<Bf16>, and M is finite wherever lm is
           out[(li * S + j) * G] = lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
         }
     }
