@@ -17,7 +17,9 @@
 // each of its four warps takes two items at a time and streams its own items through shared
 // memory: 16-byte cp.async copies (zero-filled where a token does not exist) into XOR-swizzled
 // rows (token_row_chunk), `stages` item pairs per warp, so that the next pair is in flight while
-// one is computed.
+// one is computed. A chunk whose items are all ledger records (routing lists the Full windows
+// first, so most chunks are) takes a loop of its own with compact record slots, up to four pairs
+// per warp in flight or in use (record_slots).
 //
 // Tensor cores (mma.m16n8k16, the cache's 16-bit type in — bf16 or fp16 — fp32 accumulate):
 //   S = Q K^T per item:  A = the group's queries (rows 0-7: high part, rows 8-15: the low part,
