@@ -111,8 +111,13 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
     for (int i = 0; i < kept; ++i) {
       const int w = static_cast<int>(static_cast<long long>(i) * aged / std::max(kept, 1));
       const bool full = (used_full < s.n_full && i % stride == 0) || used_quantized >= s.n_quantized;
-      if (full) list[used_full] = kernels::window_entry{w, used_full}, ++used_full;
-      else list[s.n_full + used_quantized] = kernels::window_entry{w, ~used_quantized}, ++used_quantized;
+      if (full) {
+        list[used_full] = kernels::window_entry{w, used_full};
+        ++used_full;
+      } else {
+        list[s.n_full + used_quantized] = kernels::window_entry{w, ~used_quantized};
+        ++used_quantized;
+      }
     }
     lanes[l] = kernels::lane_state{context, aged, 0, static_cast<long long>(s.layout.region_offset(l))};
     entry_counts[l] = kept;

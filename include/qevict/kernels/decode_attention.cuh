@@ -543,7 +543,7 @@ struct record_slots {
   static constexpr int meta = static_cast<int>(staged_record<D, 2>.head_bytes() + 15) / 16 * 16;
   static constexpr int cs = meta + (D / 4) * 16;
   static constexpr int bytes = (cs + (QueryPerWindow ? (D / 2) * 8 : 0) + 127) / 128 * 128;
-  static constexpr int stages = std::min(4, (QEVICT_DECODE_STAGES * 2 * item_bytes<D>) / (2 * bytes));
+  static constexpr int stages = std::min(4, (detail::stages * 2 * item_bytes<D>) / (2 * bytes));
   static_assert(stages >= 2, "record_slots: the stages hold at least two pairs of records");
 };
 
@@ -1214,6 +1214,16 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
   const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
+  // e^{i t0 f_p} for the D/2 frequencies into the slots of the pair's items that need it (a
+  // record whose keys are rotated from t0, or whose query is rotated back by t0).
+  auto store_rotations = [&](long long t0_a, long long t0_b, float2* cs_a, float2* cs_b, bool need_a, bool need_b) {
+    for (int p = lane_id; p < D / 2; p += 32) {
+      const double f = A.inv_freq[p];
+      float c, s;
+      if (need_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
+      if (need_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
+    }
+  };
 
   // One pair's scores into the output, the softmax state and the window masses: sa, sb are the
   // scores of tokens 2t, 2t+1 of items li_a and li_a + 1 for head g, (vs, vz) their values' scale
@@ -1330,17 +1340,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         std::uint8_t* s_b = s_a + slots::bytes;
         float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
         float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
-        if constexpr (QueryPerWindow) {
-          const long long t0_a = first_position(items_s[li_a].window), t0_b = first_position(items_s[li_a + 1].window);
-          for (int p = lane_id; p < D / 2; p += 32) {
-            const double f = A.inv_freq[p];
-            float c, s;
-            thread::rope_cos_sin_approx(t0_a, f, c, s);
-            cs_a[p] = make_float2(c, s);
-            thread::rope_cos_sin_approx(t0_b, f, c, s);
-            cs_b[p] = make_float2(c, s);
-          }
-        }
+        if constexpr (QueryPerWindow)
+          store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
         warp::cp_async_wait<RS - 1>();
         __syncwarp();
         stage_key_meta<D, slots::meta>(s_a, lane_id);
@@ -1406,14 +1407,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       if ((RotateRecords || QueryPerWindow) && (record_a || record_b)) {
         // Keys rotated one by one: from the item's first token; the query rotated per window: by
         // the window's first token, the frame of the whole record.
-        const long long t0_a = first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0);
-        const long long t0_b = first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0);
-        for (int p = lane_id; p < D / 2; p += 32) {
-          const double f = A.inv_freq[p];
-          float c, s;
-          if (record_a) { thread::rope_cos_sin_approx(t0_a, f, c, s); cs_a[p] = make_float2(c, s); }
-          if (record_b) { thread::rope_cos_sin_approx(t0_b, f, c, s); cs_b[p] = make_float2(c, s); }
-        }
+        store_rotations(first_position(ra.window) + (RotateRecords ? 8 * ra.part() : 0),
+                        first_position(rb.window) + (RotateRecords ? 8 * rb.part() : 0), cs_a, cs_b, record_a, record_b);
       }
       warp::cp_async_wait<stages - 1>();
       __syncwarp();
@@ -1689,7 +1684,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(L.region_bytes <= 0xffffffffu && L.recent_capacity < 0x10000,
                           "decode_attention: a (sequence, layer) region must be below 4 GiB, its recent region below 65536 tokens");
   // W = 8: a window's record is copied whole, at its compile-time size (copy_record).
-  qevict::detail::require(W != 8 || ((Bits == 0 || L.ledger_format.head_bytes == detail::staged_record<D, Bits>.head_bytes()) &&
+  qevict::detail::require(W != 8 || (L.ledger_format.head_bytes == detail::staged_record<D, Bits>.head_bytes() &&
                                      (FullBits == 0 || L.full_format.head_bytes == detail::staged_record<D, FullBits>.head_bytes())),
                           "decode_attention: a record's size differs from an 8-token record with bf16 scale and zero");
   qevict::detail::require(std::max(L.ledger_format.staged_bytes, L.full_format.staged_bytes) <=
