@@ -536,15 +536,24 @@ inline constexpr quantizers::record_layout staged_record{8, 1, D, Bits, 2};
 
 /// The compact slots of a chunk of ledger records only (W = 8, 2-bit codes used as stored or
 /// window-relative): each record item takes `bytes` (the record, the staged key metadata at
-/// `meta`, and for window-relative records e^{i t0 f_p} at `cs`) instead of an item of token rows,
-/// so that a warp's stages hold `stages` pairs (at most 4) rather than two.
+/// `meta`, and for window-relative records e^{i t0 f_p} at `cs`, all from the record's start)
+/// instead of an item of token rows, so that a warp's stages hold `stages` pairs (at most 4)
+/// rather than two. A record starts in its slot at the offset its global address has in a
+/// 128-byte line (start), so that the lines it is read in land on lines of shared memory: the
+/// records of a window's KV heads lie head_bytes apart (1056 bytes at head_dim 128, 32 bytes
+/// past a line), so most records do not start on a line.
 template <int D, bool QueryPerWindow>
 struct record_slots {
   static constexpr int meta = static_cast<int>(staged_record<D, 2>.head_bytes() + 15) / 16 * 16;
   static constexpr int cs = meta + (D / 4) * 16;
-  static constexpr int bytes = (cs + (QueryPerWindow ? (D / 2) * 8 : 0) + 127) / 128 * 128;
+  static constexpr int lead = 128 - 16;  // the largest start of a 16-byte aligned record in its slot
+  static constexpr int bytes = (lead + cs + (QueryPerWindow ? (D / 2) * 8 : 0) + 127) / 128 * 128;
   static constexpr int stages = std::min(4, (detail::stages * 2 * item_bytes<D>) / (2 * bytes));
   static_assert(stages >= 2, "record_slots: the stages hold at least two pairs of records");
+  /// Where the record copied from `src` starts in the 128-byte aligned slot `slot`.
+  __device__ static std::uint8_t* start(std::uint8_t* slot, const std::uint8_t* src) {
+    return slot + (reinterpret_cast<std::uintptr_t>(src) & 127u);
+  }
 };
 
 /// Whether an item of `kind` is (part of) a record: a ledger record, or a Full slot's record
@@ -791,27 +800,35 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
 }
 
 /// Key metadata of a record whose keys are stored after RoPE, rearranged once per window for
-/// score_record: for chunk s and thread column t, one 16-byte entry of fp16 pairs
-///   {4 scale of channels (16s + t, 16s + t + 8), 4 scale of (16s + t + 4, 16s + t + 12),
-///    zero of (16s + t, 16s + t + 8), zero of (16s + t + 4, 16s + t + 12)}:
-/// the zeros are the two adjacent registers of the zero product's B operand, as the tensor core
-/// takes it (no register moves).
+/// score_record: for chunk s and thread column t, the fp16 pairs
+///   scales {4 scale of channels (16s + t, 16s + t + 8), 4 scale of (16s + t + 4, 16s + t + 12)}
+///          8 bytes at 32 s + 8 t,
+///   zeros  {zero of (16s + t, 16s + t + 8), zero of (16s + t + 4, 16s + t + 12)}
+///          8 bytes at 2 D + 32 s + 8 t:
+/// the zeros are the two registers of the zero product's B operand, as the tensor core takes them.
+/// One transposing matrix load hands every lane its pairs: its rows are the record's 16-byte
+/// pieces of 8 scales, then of 8 zeros, so lane (g, t) receives channels 64m + 16t + g and
+/// 64m + 16t + g + 8 of scale matrix m and of zero matrix m — pair g / 4 of entry (4m + t, g % 4) —
+/// and stores each as one word; the 32 words of one store fill 128 contiguous bytes.
 /// Both are exact in fp16: a bf16 value has 8 significant bits (fp16 has 11), for magnitudes in
 /// fp16's range (scale <= 16376, |zero| <= 65504; below 2^-17 they round by under 2^-25).
 template <int D, int MetaOffset = key_extra_offset<D>>
 __device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id) {
-  if (lane_id >= D / 4) return;
-  const int s = lane_id >> 2, t = lane_id & 3;
-  const std::uint16_t* scale = reinterpret_cast<const std::uint16_t*>(s_item + staged_record<D, 2>.key_scale_offset());
-  const std::uint16_t* zero = reinterpret_cast<const std::uint16_t*>(s_item + staged_record<D, 2>.key_zero_offset());
-  auto pair = [&](int c0, int c1, std::uint32_t& scale4, std::uint32_t& zeros) {
-    scale4 = warp::pack_half2(4.0f * warp::bf16_bits_to_float(scale[c0]), 4.0f * warp::bf16_bits_to_float(scale[c1]));
-    zeros = warp::pack_half2(warp::bf16_bits_to_float(zero[c0]), warp::bf16_bits_to_float(zero[c1]));
-  };
-  uint4 e;
-  pair(16 * s + t, 16 * s + t + 8, e.x, e.z);
-  pair(16 * s + t + 4, 16 * s + t + 12, e.y, e.w);
-  *reinterpret_cast<uint4*>(s_item + MetaOffset + 16 * lane_id) = e;
+  constexpr auto record = staged_record<D, 2>;
+  static_assert(record.key_zero_offset() == record.key_scale_offset() + 2 * D,
+                "stage_key_meta: the key zeros follow the key scales");
+  constexpr int M = D / 64;  // 8x8 matrices of scales (and as many of zeros)
+  std::uint32_t r[2 * M];
+  // Lane i addresses piece i of the scales and zeros (D/4 pieces; with M = 1 lanes 16-31 are unused).
+  warp::ldmatrix_trans<2 * M>(s_item + record.key_scale_offset() + 16 * (lane_id % (D / 4)), r);
+  const int g = lane_id >> 2, t = lane_id & 3;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const std::uint32_t scale = r[m], zero = r[M + m];
+    std::uint32_t* at = reinterpret_cast<std::uint32_t*>(s_item + MetaOffset + 32 * (4 * m + t) + 8 * (g & 3) + 4 * (g >> 2));
+    at[0] = warp::pack_half2(4.0f * __uint_as_float(scale << 16), 4.0f * __uint_as_float(scale & 0xffff0000u));
+    at[2 * D / 4] = warp::pack_half2(__uint_as_float(zero << 16), __uint_as_float(zero & 0xffff0000u));
+  }
 }
 
 /// Scores of a quantized item whose keys are stored after RoPE: c[0], c[1] = head g's scores of
@@ -828,7 +845,8 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   c[0] = c[1] = c[2] = c[3] = 0.f;
   std::uint32_t cw[D / 16];
   load_code_words<D>(s_item + g * (D / 4), cw);
-  const uint4* meta = reinterpret_cast<const uint4*>(s_item + MetaOffset) + t;
+  const uint2* scales = reinterpret_cast<const uint2*>(s_item + MetaOffset) + t;
+  const uint2* zeros = reinterpret_cast<const uint2*>(s_item + MetaOffset + 2 * D) + t;
   // Two independent accumulators (even and odd chunks), each taking a chunk's code product and
   // then its zero product: with the two items of a pair interleaved, four chains hide the
   // tensor cores' latency, and the sum at the end is one addition per score.
@@ -836,13 +854,13 @@ __device__ __forceinline__ void score_record(const std::uint8_t* s_item, int g, 
   const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
-    const uint4 m = meta[4 * s];
+    const uint2 sc = scales[4 * s], ze = zeros[4 * s];
     const std::uint32_t x = cw[s] >> (2 * t);
     const std::uint32_t k0 = warp::and_or<0x03000300u>(x << 8, one);  // 1 + code/4: channels t, t + 8
     const std::uint32_t k1 = warp::and_or<0x03000300u>(x, one);       // channels t + 4, t + 12
-    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], warp::fma_half2_minus(k0, m.x),
-                  warp::fma_half2_minus(k1, m.y));
-    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], m.z, m.w);
+    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], warp::fma_half2_minus(k0, sc.x),
+                  warp::fma_half2_minus(k1, sc.y));
+    warp::mma_f16(acc[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], ze.x, ze.y);
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] = acc[0][e] + acc[1][e];
@@ -860,18 +878,20 @@ __device__ __forceinline__ void score_record_pair(const std::uint8_t* s_a, const
   std::uint32_t cwa[D / 16], cwb[D / 16];
   load_code_words<D>(s_a + g * (D / 4), cwa);
   load_code_words<D>(s_b + g * (D / 4), cwb);
-  // Entry (s, t) of stage_key_meta: {4 scale pairs} then {zero pairs}, 16 bytes, at 64 s + 16 t.
-  const std::uint8_t* ma = s_a + MetaOffset + 16 * t;
-  const std::uint8_t* mb = s_b + MetaOffset + 16 * t;
-  const std::uint8_t* mz = ((g & 1) ? mb : ma) + 8;
-  float acc_a[2][4] = {}, acc_b[2][4] = {}, acc_z[4] = {};
+  // Entry (s, t) of stage_key_meta: scale pairs at 32 s + 8 t, zero pairs 2 D bytes further.
+  const std::uint8_t* ma = s_a + MetaOffset + 8 * t;
+  const std::uint8_t* mb = s_b + MetaOffset + 8 * t;
+  const std::uint8_t* mz = ((g & 1) ? mb : ma) + 2 * D;  // column g of the zero product: item b's where g is odd
+  // Two accumulators per item (even and odd chunks) and two for the zero product, so that no
+  // chain of dependent tensor-core products is longer than D/32.
+  float acc_a[2][4] = {}, acc_b[2][4] = {}, acc_z[2][4] = {};
   const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
-    const uint2 fa = *reinterpret_cast<const uint2*>(ma + 64 * s), fb = *reinterpret_cast<const uint2*>(mb + 64 * s);
-    const uint2 z = *reinterpret_cast<const uint2*>(mz + 64 * s);
+    const uint2 fa = *reinterpret_cast<const uint2*>(ma + 32 * s), fb = *reinterpret_cast<const uint2*>(mb + 32 * s);
+    const uint2 z = *reinterpret_cast<const uint2*>(mz + 32 * s);
     const std::uint32_t xa = cwa[s] >> (2 * t), xb = cwb[s] >> (2 * t);
-    warp::mma_f16(acc_z, qf[s][0], qf[s][1], qf[s][2], qf[s][3], z.x, z.y);
+    warp::mma_f16(acc_z[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3], z.x, z.y);
     warp::mma_f16(acc_a[s & 1], qf[s][0], qf[s][1], qf[s][2], qf[s][3],
                   warp::fma_half2_minus(warp::and_or<0x03000300u>(xa << 8, one), fa.x),
                   warp::fma_half2_minus(warp::and_or<0x03000300u>(xa, one), fa.y));
@@ -880,7 +900,8 @@ __device__ __forceinline__ void score_record_pair(const std::uint8_t* s_a, const
                   warp::fma_half2_minus(warp::and_or<0x03000300u>(xb, one), fb.y));
   }
   // Rows 0-7 hold the query's high part, rows 8-15 its low part (c[0], c[1] and c[2], c[3]).
-  const float za = acc_z[0] + acc_z[2], zb = acc_z[1] + acc_z[3];
+  const float za = (acc_z[0][0] + acc_z[1][0]) + (acc_z[0][2] + acc_z[1][2]);
+  const float zb = (acc_z[0][1] + acc_z[1][1]) + (acc_z[0][3] + acc_z[1][3]);
   sa[0] = ((acc_a[0][0] + acc_a[1][0]) + (acc_a[0][2] + acc_a[1][2])) + za;
   sa[1] = ((acc_a[0][1] + acc_a[1][1]) + (acc_a[0][3] + acc_a[1][3])) + za;
   sb[0] = ((acc_b[0][0] + acc_b[1][0]) + (acc_b[0][2] + acc_b[1][2])) + zb;
@@ -938,6 +959,20 @@ __device__ __forceinline__ void value_code_fields(const std::uint32_t (&r)[Piece
   }
 }
 
+/// 16-byte pieces of one token's value codes (128/Bits channels each).
+template <int D, int Bits>
+constexpr int value_pieces = D * Bits / 128;
+
+/// The transposing matrix loads of record_value_fragments alone (one per piece), so that a loop
+/// can issue them well before it takes the fields apart.
+template <int D, int Bits>
+__device__ __forceinline__ void load_value_codes(const record_format& f, const std::uint8_t* s_item, int lane_id,
+                                                 std::uint32_t (&r)[value_pieces<D, Bits>]) {
+  constexpr int pieces = value_pieces<D, Bits>;
+  static_assert(pieces == 1 || pieces == 2 || pieces == 4, "load_value_codes: 1, 2 or 4 pieces of 16 bytes a token");
+  warp::ldmatrix_trans<pieces>(s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8) + (lane_id >> 3) % pieces * 16, r);
+}
+
 /// A fragments of V^T of a record's tokens 2t and 2t+1 (codes of Bits in format f) into
 /// a[i][2h], a[i][2h+1]: channels 16i + g and 16i + g + 8, as exact integers.
 /// A token's value codes are 16-byte pieces of N = 128/Bits channels whose 16-bit element e holds
@@ -949,11 +984,9 @@ __device__ __forceinline__ void value_code_fields(const std::uint32_t (&r)[Piece
 template <int D, bool Bf16, int Bits>
 __device__ __forceinline__ void record_value_fragments(const record_format& f, const std::uint8_t* s_item, int lane_id, int h,
                                                        std::uint32_t (&a)[D / 16][4]) {
-  constexpr int pieces = D * Bits / 128;
-  static_assert(pieces == 1 || pieces == 2 || pieces == 4, "record_value_fragments: 1, 2 or 4 pieces of 16 bytes a token");
-  std::uint32_t r[pieces];
-  warp::ldmatrix_trans<pieces>(s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8) + (lane_id >> 3) % pieces * 16, r);
-  value_code_fields<Bf16, Bits, D, pieces>(r, h, a);
+  std::uint32_t r[value_pieces<D, Bits>];
+  load_value_codes<D, Bits>(f, s_item, lane_id, r);
+  value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(r, h, a);
 }
 
 /// A fragments of V^T for an item pair: a[i][0] = (channel 16i + g, tokens 2t, 2t+1 of item a),
@@ -1260,7 +1293,20 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     const float pb0 = exp2_sfu(sb[0] - m_ref), pb1 = exp2_sfu(sb[1] - m_ref);
     l_run = l_run * alpha + (pa0 + pa1) + (pb0 + pb1);
     z_run = z_run * alpha + (pa0 * vz_a.x + pa1 * vz_a.y) + (pb0 * vz_b.x + pb1 * vz_b.y);
+    // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
+    // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
+    std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
+    warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
+    warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
+    std::uint32_t v[D / 16][4];
+    load_values(v);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
+      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
+    }
     if constexpr (EmitMass) {
+      // After the output's products, whose issue hides the shuffles' latency.
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
       // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
       // Branch-free: item b of a chunk's last pair may not exist (its row is past the chunk's
@@ -1300,18 +1346,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
       }
     }
-    // B fragments of P^T (tokens x heads); a value's scale rides on its probability. With bf16
-    // values, P goes in as a high and a low bf16 part (16 bits, like fp16 has 11).
-    std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
-    warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
-    warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-    std::uint32_t v[D / 16][4];
-    load_values(v);
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
-      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
-    }
   };
 
   if (records_only) {
@@ -1325,9 +1359,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       auto issue = [&](int k) {
         if (k < my_pairs) {
           const int pair = warp_id + k * warps_per_cta;
-          std::uint8_t* dst = my_stages + (k % RS) * 2 * slots::bytes;
-          copy_record<staged_record<D, Bits>.head_bytes()>(dst, region + items_s[2 * pair].offset, lane_id);
-          copy_record<staged_record<D, Bits>.head_bytes()>(dst + slots::bytes, region + items_s[2 * pair + 1].offset, lane_id);
+          std::uint8_t* slot = my_stages + (k % RS) * 2 * slots::bytes;
+          const std::uint8_t* src_a = region + items_s[2 * pair].offset;
+          const std::uint8_t* src_b = region + items_s[2 * pair + 1].offset;
+          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot, src_a), src_a, lane_id);
+          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot + slots::bytes, src_b), src_b, lane_id);
         }
         warp::cp_async_commit();
       };
@@ -1336,8 +1372,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
         const int li_a = 2 * (warp_id + k * warps_per_cta);
-        std::uint8_t* s_a = my_stages + (k % RS) * 2 * slots::bytes;
-        std::uint8_t* s_b = s_a + slots::bytes;
+        std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
+        std::uint8_t* s_a = slots::start(slot, region + items_s[li_a].offset);
+        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + items_s[li_a + 1].offset);
         float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
         float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
         if constexpr (QueryPerWindow)
@@ -1346,6 +1383,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         __syncwarp();
         stage_key_meta<D, slots::meta>(s_a, lane_id);
         stage_key_meta<D, slots::meta>(s_b, lane_id);
+        // The value codes' matrix loads go out before the scores, which hide their latency.
+        std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
+        load_value_codes<D, Bits>(L.ledger_format, s_a, lane_id, codes_a);
+        load_value_codes<D, Bits>(L.ledger_format, s_b, lane_id, codes_b);
         __syncwarp();
         float sa[2], sb[2];
         if constexpr (QueryPerWindow) {
@@ -1362,8 +1403,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
         value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
         absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
-          record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_a, lane_id, 0, v);
-          record_value_fragments<D, Bf16, Bits>(L.ledger_format, s_b, lane_id, 1, v);
+          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
+          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
         });
         __syncwarp();  // the stage is rewritten by later pairs
       }

@@ -163,6 +163,4 @@ __device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t* 
   ldmatrix_trans<N>(shared_address(smem), r);
 }
 
-__device__ __forceinline__ float bf16_bits_to_float(std::uint32_t lo16) { return __uint_as_float(lo16 << 16); }
-
 }  // namespace qevict::kernels::warp
