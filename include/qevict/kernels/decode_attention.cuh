@@ -1258,6 +1258,20 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
   };
 
+  // Scores of two window-relative records (ca, cb as score_record's c): the query rotated back by
+  // each window's start, then that record's products. Meta: the offset of the staged key metadata
+  // in each item's slot.
+  auto score_relative_records = [&](auto meta, const std::uint8_t* s_a, const std::uint8_t* s_b, const float2* cs_a,
+                                    const float2* cs_b, float (&ca)[4], float (&cb)[4]) {
+    if constexpr (QueryPerWindow) {  // qr holds the query only for such records
+      constexpr int Meta = decltype(meta)::value;
+      query_for_window<D>(qr, cs_a, L.layout, t, qf);
+      score_record<D, Meta>(s_a, g, t, qf, ca);
+      query_for_window<D>(qr, cs_b, L.layout, t, qf);
+      score_record<D, Meta>(s_b, g, t, qf, cb);
+    }
+  };
+
   // One pair's scores into the output, the softmax state and the window masses: sa, sb are the
   // scores of tokens 2t, 2t+1 of items li_a and li_a + 1 for head g, (vs, vz) their values' scale
   // and zero, and load_values(v) writes the pair's V^T fragments.
@@ -1352,7 +1366,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if constexpr (RecordLoop) {
       // A chunk of ledger records only (lists hold the Full windows first, so most chunks are):
       // compact slots (the record, its staged key metadata, e^{i t0 f_p} for window-relative
-      // records) let the warp keep record_stages pairs in its stages instead of two, and the loop
+      // records) let the warp keep slots::stages pairs in its stages instead of two, and the loop
       // has no branch on item kinds. Every item has its 8 tokens.
       using slots = record_slots<D, QueryPerWindow>;
       constexpr int RS = slots::stages;
@@ -1391,10 +1405,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         float sa[2], sb[2];
         if constexpr (QueryPerWindow) {
           float ca[4], cb[4];
-          query_for_window<D>(qr, cs_a, L.layout, t, qf);
-          score_record<D, slots::meta>(s_a, g, t, qf, ca);
-          query_for_window<D>(qr, cs_b, L.layout, t, qf);
-          score_record<D, slots::meta>(s_b, g, t, qf, cb);
+          score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
           sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
         } else {
           score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
@@ -1472,10 +1483,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         float ca[4], cb[4];
         if (two_records) {
           if constexpr (QueryPerWindow) {
-            query_for_window<D>(qr, cs_a, L.layout, t, qf);
-            score_record<D>(s_a, g, t, qf, ca);
-            query_for_window<D>(qr, cs_b, L.layout, t, qf);
-            score_record<D>(s_b, g, t, qf, cb);
+            score_relative_records(std::integral_constant<int, key_extra_offset<D>>{}, s_a, s_b, cs_a, cs_b, ca, cb);
           } else {
             score_record<D>(s_a, g, t, qf, ca);
             score_record<D>(s_b, g, t, qf, cb);
