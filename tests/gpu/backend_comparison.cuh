@@ -22,7 +22,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <iomanip>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -48,6 +50,7 @@ struct case_spec {
   qevict::rope_layout layout = qevict::rope_layout::rotate_half;
   bool churn = false;
   int items_per_chunk = 0;  ///< the CUDA backend's decode split-K chunk (cuda_settings; 0: its default, per call)
+  int max_tokens = 2048;    ///< limits::max_tokens (the table's windows: routing's sort size)
 };
 
 /// The CUDA backend's settings with a given decode split-K chunk (the default stream).
@@ -171,10 +174,16 @@ struct twin {
     const qevict::window_record* ht = host_table(s, l);
     const int entries = host.windows(s, l).size();
     int mismatches = 0;
+    std::ostringstream first;  // the first few differing entries, for the report
     for (int e = 0; e < entries; ++e)
-      if (dt[e].full_slot != ht[e].full_slot || dt[e].ledger_slot != ht[e].ledger_slot) ++mismatches;
+      if (dt[e].full_slot != ht[e].full_slot || dt[e].ledger_slot != ht[e].ledger_slot) {
+        if (++mismatches <= 4)
+          first << " [entry " << e << ": host full " << ht[e].full_slot << " ledger " << ht[e].ledger_slot << " score "
+                << std::setprecision(9) << ht[e].score << "; device full " << dt[e].full_slot << " ledger " << dt[e].ledger_slot
+                << " score " << dt[e].score << "]";
+      }
     CHECK_MESSAGE(mismatches == 0, when << ": sequence " << s << " layer " << l << ": " << mismatches << " of "
-                                        << entries << " table entries differ in tier or slot");
+                                        << entries << " table entries differ in tier or slot" << first.str());
     const auto hw = host.windows(s, l), dw = dev.windows(s, l);
     REQUIRE(hw.size() == dw.size());
     for (std::size_t i = 0; i < hw.size(); ++i) REQUIRE(hw[i].where == dw[i].where);
@@ -251,7 +260,7 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
   g.element = spec.element;
   g.rope.theta = 500000.0f;
   g.rope.layout = spec.layout;
-  const qevict::limits lim{.max_batch = spec.batch, .max_tokens = 2048};
+  const qevict::limits lim{.max_batch = spec.batch, .max_tokens = spec.max_tokens};
   qevict::options opt;
   opt.routing = qevict::routing_mode::manual;  // routing every Ω steps by route(), on both sides
   twin<Cfg> t(g, spec.b, lim, opt, seed, spec.items_per_chunk);

@@ -29,6 +29,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+
 #include "qevict/kernels/cache_state.cuh"
 
 namespace qevict::kernels {
@@ -44,50 +47,58 @@ namespace detail {
 
 constexpr int route_threads = 1024;
 
-/// Float score -> unsigned key whose ascending order is descending score (+0 and -0 equal).
+/// Sort keys each decide-kernel thread holds: table entries per thread of the radix sort (and windows
+/// per thread when the kernel lists a unit's windows). A lane's capacity of P.sort_capacity entries
+/// takes the smallest of 1, 4 or 16 per thread that holds it.
+constexpr int route_items_for(int sort_capacity) {
+  return sort_capacity <= route_threads ? 1 : sort_capacity <= 4 * route_threads ? 4 : 16;
+}
+constexpr int route_max_entries = 16 * route_threads;
+
+/// Float score -> unsigned key whose ascending order is descending score (+0 and -0 equal). A finite
+/// score never gives ~0u, which marks a table entry that is no candidate.
 __device__ __forceinline__ std::uint32_t descending_score_key(float s) {
   if (s == 0.0f) s = 0.0f;
   std::uint32_t u = __float_as_uint(s);
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
   return ~u;
 }
+constexpr std::uint32_t not_a_candidate = ~0u;
 
-/// Exclusive prefix counts of N flags over one tile of blockDim.x items (thread order), and the
-/// tile's totals. `warp_sums` holds N * 32 ints of shared memory.
-template <int N>
-__device__ inline void tile_scan(const bool (&flag)[N], int (&rank)[N], int (&total)[N], int* warp_sums) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const unsigned below = (1u << lane) - 1u;
-  unsigned mask[N];
-#pragma unroll
-  for (int f = 0; f < N; ++f) {
-    mask[f] = __ballot_sync(0xffffffffu, flag[f]);
-    if (lane == 0) warp_sums[f * 32 + warp] = __popc(mask[f]);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int f = 0; f < N; ++f) {
-    int before = 0, all = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int c = warp_sums[f * 32 + w];
-      before += w < warp ? c : 0;
-      all += c;
-    }
-    rank[f] = before + __popc(mask[f] & below);
-    total[f] = all;
-  }
-  __syncthreads();
-}
+/// Counts of the seven kinds of candidate a routing event moves (route_decide_kernel's flags), one
+/// 16-bit field each (a lane has at most route_max_entries = 2^14 candidates, so no field carries
+/// into the next), summed by one block scan.
+struct move_counts {
+  static constexpr int kinds = 7;
+  unsigned long long lo = 0, hi = 0;  // kinds 0-3, 4-6
 
-/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane. After its first
-/// event a lane under a frozen routing policy (routing::frozen_after_prefill) ranks only its newly
-/// aged windows, for the slots still free, as the host's route_lane does.
-template <class Scorer, class Routing>
+  __device__ int operator[](int f) const { return static_cast<int>(((f < 4 ? lo : hi) >> (16 * (f & 3))) & 0xffffu); }
+  __device__ void add(int f) { (f < 4 ? lo : hi) += 1ull << (16 * (f & 3)); }
+  __device__ move_counts operator+(const move_counts& o) const { return move_counts{lo + o.lo, hi + o.hi}; }
+};
+struct move_counts_sum {
+  __device__ move_counts operator()(const move_counts& a, const move_counts& b) const { return a + b; }
+};
+
+/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane, Items table entries per
+/// thread (route_items_for). After its first event a lane under a frozen routing policy
+/// (routing::frozen_after_prefill) ranks only its newly aged windows, for the slots still free, as
+/// the host's route_lane does.
+///
+/// Every phase works on what the threads hold in registers, in blocked order (thread t holds items
+/// Items * t ... Items * t + Items - 1): the candidates' keys in entry order, then, after one stable
+/// radix sort, the ranks; the prefix counts in rank order that place every push, pop and task come
+/// from one block scan, and each unit's window list from one more.
+template <class Scorer, class Routing, int Items>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
-  extern __shared__ unsigned long long keys[];  // P.sort_capacity
-  __shared__ int warp_sums[7 * 32];
-  __shared__ int n_candidates;
+  using radix_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>;
+  using move_scan = cub::BlockScan<move_counts, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using list_scan = cub::BlockScan<int, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
+  extern __shared__ __align__(16) unsigned char sort_storage[];  // radix_sort::TempStorage
+  __shared__ typename move_scan::TempStorage move_storage;
+  __shared__ typename list_scan::TempStorage list_storage;
+  __shared__ int n_candidates, kept_by_full;
   const decode_layout& L = P.L;
   int* task_count = S.task_counts + 2 * blockIdx.x;
   if (failed(S.error)) {
@@ -112,201 +123,212 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int full_capacity = frozen ? extra.free_full : P.full_capacity;
   const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
   const int U = L.units;
+  const int mine = Items * static_cast<int>(threadIdx.x);  // this thread's first item
 
-  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries (order is restored by the sort); only
-  // the newly aged under a frozen selection. Entry e belongs to window L.window_of_entry(e).
-  if (threadIdx.x == 0) n_candidates = 0;
-  __syncthreads();
-  for (int e = (frozen ? aged_before : 0) * U + threadIdx.x; e < aged_after * U; e += blockDim.x) {
-    const window_record r = table[e];
-    if (tier_of(r, L.window_of_entry(e) < aged_before) == tier::evicted) continue;
-    const int at = atomicAdd(&n_candidates, 1);
-    keys[at] = (static_cast<unsigned long long>(descending_score_key(r.score)) << 32) | static_cast<std::uint32_t>(e);
-  }
-  __syncthreads();
-  const int n = n_candidates;
-  int N = 1;
-  while (N < n) N <<= 1;
-  for (int i = n + threadIdx.x; i < N; i += blockDim.x) keys[i] = ~0ull;
-  __syncthreads();
-  // Bitonic sort, ascending key = ranks_before order.
-  for (int k = 2; k <= N; k <<= 1)
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < N; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const unsigned long long a = keys[i], b = keys[p];
-          if (((i & k) == 0) == (a > b)) {
-            keys[i] = b;
-            keys[p] = a;
-          }
+  // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries; only the newly aged under a frozen
+  // selection. Entry e belongs to window L.window_of_entry(e). Every entry of the range gets a key
+  // (not_a_candidate for the evicted), in entry order, so the stable sort breaks equal scores
+  // toward the lower entry (ranks_before) and leaves the non-candidates behind the candidates.
+  if (threadIdx.x == 0) n_candidates = kept_by_full = 0;
+  const int first = (frozen ? aged_before : 0) * U, last = aged_after * U;
+  std::uint32_t key[Items];
+  int entry[Items];
+  {
+    int count = 0;
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      entry[i] = first + mine + i;
+      key[i] = not_a_candidate;
+      if (entry[i] < last) {
+        const window_record r = table[entry[i]];
+        if (tier_of(r, L.window_of_entry(entry[i]) < aged_before) != tier::evicted) {
+          key[i] = descending_score_key(r.score);
+          ++count;
         }
       }
-      __syncthreads();
     }
-
-  // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
-  const int n_full = min(full_capacity, n);
-  int kept_by_full = 0;
-  for (int base = 0; base < n_full; base += blockDim.x) {
-    const int r = base + threadIdx.x;
-    const bool has = r < n_full && table[static_cast<std::uint32_t>(keys[r])].ledger_slot >= 0;
-    kept_by_full += __syncthreads_count(has);
+    __syncthreads();  // n_candidates is zero
+    if (count > 0) atomicAdd(&n_candidates, count);
   }
+  radix_sort(*reinterpret_cast<typename radix_sort::TempStorage*>(sort_storage)).Sort(key, entry);
+  __syncthreads();  // n_candidates is complete
+  const int n = n_candidates;
+
+  // The ranked candidates' slots (item i of this thread has rank mine + i).
+  std::int32_t full_slot[Items], ledger_slot[Items];
+  tier prev[Items];
+  int has_in_full = 0;
+  const int n_full = min(full_capacity, n);
+#pragma unroll
+  for (int i = 0; i < Items; ++i) {
+    full_slot[i] = ledger_slot[i] = -1;
+    prev[i] = tier::evicted;
+    if (mine + i < n) {
+      const window_record r = table[entry[i]];
+      full_slot[i] = r.full_slot;
+      ledger_slot[i] = r.ledger_slot;
+      prev[i] = tier_of(r, L.window_of_entry(entry[i]) < aged_before);
+      has_in_full += mine + i < n_full && r.ledger_slot >= 0 ? 1 : 0;
+    }
+  }
+  // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
+  if (has_in_full > 0) atomicAdd(&kept_by_full, has_in_full);
+  __syncthreads();
   const int room = ledger_capacity > kept_by_full ? ledger_capacity - kept_by_full : 0;
   const int n_quantized = min(room, n - n_full);
 
   // Flags of the candidate at rank r: 0 evicted holding a Full slot, 1 demoted (Full -> Quantized),
   // 2 promoted (Quantized -> Full), 3 newly aged -> Full, 4 evicted holding a record,
   // 5 demoted without a record yet, 6 newly aged -> Quantized.
-  auto flags_of = [&](int r, bool (&f)[7]) {
+  unsigned char flags[Items];
+  move_counts local;
 #pragma unroll
-    for (int i = 0; i < 7; ++i) f[i] = false;
-    if (r >= n) return;
-    const int e = static_cast<int>(static_cast<std::uint32_t>(keys[r]));
-    const window_record rec = table[e];
-    const tier prev = tier_of(rec, L.window_of_entry(e) < aged_before);
+  for (int i = 0; i < Items; ++i) {
+    const int r = mine + i;
     const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
-    f[0] = next == tier::evicted && rec.full_slot >= 0;
-    f[4] = next == tier::evicted && rec.ledger_slot >= 0;
-    f[1] = next == tier::quantized && prev == tier::full;
-    f[5] = f[1] && rec.ledger_slot < 0;
-    f[6] = next == tier::quantized && prev == tier::recent;
-    f[2] = next == tier::full && prev == tier::quantized;
-    f[3] = next == tier::full && prev == tier::recent;
-  };
-  // Totals.
-  int T[7] = {0, 0, 0, 0, 0, 0, 0};
-  for (int base = 0; base < n; base += blockDim.x) {
-    bool f[7];
-    int rank[7], total[7];
-    flags_of(base + threadIdx.x, f);
-    tile_scan<7>(f, rank, total, warp_sums);
+    const bool evict = r < n && next == tier::evicted;
+    bool f[move_counts::kinds];
+    f[0] = evict && full_slot[i] >= 0;
+    f[4] = evict && ledger_slot[i] >= 0;
+    f[1] = r < n && next == tier::quantized && prev[i] == tier::full;
+    f[5] = f[1] && ledger_slot[i] < 0;
+    f[6] = r < n && next == tier::quantized && prev[i] == tier::recent;
+    f[2] = r < n && next == tier::full && prev[i] == tier::quantized;
+    f[3] = r < n && next == tier::full && prev[i] == tier::recent;
+    flags[i] = 0;
 #pragma unroll
-    for (int i = 0; i < 7; ++i) T[i] += total[i];
+    for (int k = 0; k < move_counts::kinds; ++k)
+      if (f[k]) {
+        flags[i] |= static_cast<unsigned char>(1u << k);
+        local.add(k);
+      }
   }
+  // Each kind's rank of this thread's first item, and the totals, in rank order.
+  move_counts before, T;
+  move_scan(move_storage).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
   const int full0 = extra.free_full, ledger0 = extra.free_ledger;
+  const int full_top = full0 + T[0] + T[1];  // stack sizes after the pushes
+  const int ledger_top = ledger0 + T[4];
   // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
   {
-    int carry[7] = {0, 0, 0, 0, 0, 0, 0};
-    for (int base = 0; base < n; base += blockDim.x) {
-      const int r = base + threadIdx.x;
-      bool f[7];
-      int rank[7], total[7];
-      flags_of(r, f);
-      tile_scan<7>(f, rank, total, warp_sums);
-      if (r < n) {
-        const window_record rec = table[static_cast<std::uint32_t>(keys[r])];
-        if (f[0]) free_full[full0 + carry[0] + rank[0]] = rec.full_slot;
-        if (f[1]) free_full[full0 + T[0] + carry[1] + rank[1]] = rec.full_slot;
-        if (f[4]) free_ledger[ledger0 + carry[4] + rank[4]] = rec.ledger_slot;
-      }
+    move_counts at = before;
 #pragma unroll
-      for (int i = 0; i < 7; ++i) carry[i] += total[i];
+    for (int i = 0; i < Items; ++i) {
+      const unsigned f = flags[i];
+      if (f & 1u) free_full[full0 + at[0]] = full_slot[i];
+      if (f & 2u) free_full[full0 + T[0] + at[1]] = full_slot[i];
+      if (f & 16u) free_ledger[ledger0 + at[4]] = ledger_slot[i];
+#pragma unroll
+      for (int k = 0; k < move_counts::kinds; ++k)
+        if (f & (1u << k)) at.add(k);
     }
   }
-  __syncthreads();
+  __syncthreads();  // the pushes are visible to the pops
   // Pops and table updates; migration tasks in the host's order.
-  const int full_top = full0 + T[0] + T[1];      // stack size after the pushes
-  const int ledger_top = ledger0 + T[4];
   {
-    int carry[7] = {0, 0, 0, 0, 0, 0, 0};
-    for (int base = 0; base < n; base += blockDim.x) {
-      const int r = base + threadIdx.x;
-      bool f[7];
-      int rank[7], total[7];
-      flags_of(r, f);
-      tile_scan<7>(f, rank, total, warp_sums);
-      if (r < n) {
-        const int w = static_cast<int>(static_cast<std::uint32_t>(keys[r]));  // the table entry
-        window_record rec = table[w];
-        const int rk[7] = {carry[0] + rank[0], carry[1] + rank[1], carry[2] + rank[2], carry[3] + rank[3],
-                           carry[4] + rank[4], carry[5] + rank[5], carry[6] + rank[6]};
-        if (f[0] || f[4]) {
-          rec.full_slot = rec.ledger_slot = -1;
-        } else if (f[1]) {
-          if (f[5]) {
-            const int slot = free_ledger[ledger_top - 1 - rk[5]];
-            qtasks[rk[5]] = migration_task{w, 1, rec.full_slot, slot};
-            rec.ledger_slot = slot;
-          }
-          rec.full_slot = -1;
-        } else if (f[6]) {
-          const int k = T[5] + rk[6];
-          const int slot = free_ledger[ledger_top - 1 - k];
-          qtasks[k] = migration_task{w, source_kind, 0, slot};
-          rec.ledger_slot = slot;
-        } else if (f[2]) {
-          const int slot = free_full[full_top - 1 - rk[2]];
-          stasks[rk[2]] = migration_task{w, 3, rec.ledger_slot, slot};
-          rec.full_slot = slot;
-        } else if (f[3]) {
-          const int k = T[2] + rk[3];
-          const int slot = free_full[full_top - 1 - k];
-          stasks[k] = migration_task{w, source_kind, 0, slot};
-          rec.full_slot = slot;
-        }
-        table[w].full_slot = rec.full_slot;
-        table[w].ledger_slot = rec.ledger_slot;
-      }
+    move_counts at = before;
 #pragma unroll
-      for (int i = 0; i < 7; ++i) carry[i] += total[i];
-    }
-  }
-  __syncthreads();
-  // Each unit's window list: its Full windows in window order, then its Quantized ones (a second
-  // pass), and after_routing on every live entry (each entry is visited once, by the first pass
-  // over its unit). Listing each tier together makes nearly every item pair the decode kernel
-  // takes two items of one kind (two records, or two of token rows), the kinds it handles without
-  // branches. With records of windows shorter than 8 tokens (L.record_entries > 1) each Quantized
-  // window is followed by padding, and the Full ones are padded to whole items
-  // (decode_layout::record_entries).
-  {
-    const int R = L.record_entries;
-    constexpr window_entry padding{-1, 0};
-    for (int u = 0; u < U; ++u) {
-      const std::size_t list = static_cast<std::size_t>(l) * U + u;
-      window_entry* out = S.entries + list * L.entries_per_lane;
-      int carry = 0;
-      for (int pass = 0; pass < 2; ++pass) {
-        const int span = pass == 1 ? R : 1;  // entries per listed window
-        for (int base = 0; base < started; base += blockDim.x) {
-          const int w = base + threadIdx.x;
-          bool f[1] = {false};
-          window_record rec{};
-          if (w < started) {
-            rec = table[w * U + u];
-            const tier t = tier_of(rec, w < aged_after);
-            f[0] = t == (pass == 0 ? tier::full : tier::quantized);
-            if (pass == 0 && t != tier::evicted) table[w * U + u].score = Scorer::after_routing(rec.score);
-          }
-          int rank[1], total[1];
-          tile_scan<1>(f, rank, total, warp_sums);
-          if (f[0]) {
-            const int at = carry + span * rank[0];
-            out[at] = window_entry{w, rec.full_slot >= 0 ? rec.full_slot : ~rec.ledger_slot};
-            for (int k = 1; k < span; ++k) out[at + k] = padding;
-          }
-          carry += span * total[0];
+    for (int i = 0; i < Items; ++i) {
+      const unsigned f = flags[i];
+      if (f == 0) continue;
+      const int w = entry[i];  // the table entry
+      std::int32_t fs = full_slot[i], ls = ledger_slot[i];
+      if (f & (1u | 16u)) {
+        fs = ls = -1;
+      } else if (f & 2u) {
+        if (f & 32u) {
+          const int slot = free_ledger[ledger_top - 1 - at[5]];
+          qtasks[at[5]] = migration_task{w, 1, fs, slot};
+          ls = slot;
         }
-        if (R > 1 && pass == 0) {
-          const int whole = (carry + R - 1) / R * R;
-          for (int e = carry + threadIdx.x; e < whole; e += blockDim.x) out[e] = padding;
-          carry = whole;
-        }
+        fs = -1;
+      } else if (f & 64u) {
+        const int k = T[5] + at[6];
+        const int slot = free_ledger[ledger_top - 1 - k];
+        qtasks[k] = migration_task{w, source_kind, 0, slot};
+        ls = slot;
+      } else if (f & 4u) {
+        const int slot = free_full[full_top - 1 - at[2]];
+        stasks[at[2]] = migration_task{w, 3, ls, slot};
+        fs = slot;
+      } else if (f & 8u) {
+        const int k = T[2] + at[3];
+        const int slot = free_full[full_top - 1 - k];
+        stasks[k] = migration_task{w, source_kind, 0, slot};
+        fs = slot;
       }
-      if (threadIdx.x == 0) S.entry_counts[list] = carry;
-    }
-    if (threadIdx.x == 0) {
-      lane.aged = aged_after;
-      extra.steps = 0;
-      extra.routed = 1;
-      extra.free_full = full_top - T[2] - T[3];
-      extra.free_ledger = ledger_top - T[5] - T[6];
-      task_count[0] = T[5] + T[6];
-      task_count[1] = T[2] + T[3];
+      table[w].full_slot = fs;
+      table[w].ledger_slot = ls;
+#pragma unroll
+      for (int k = 0; k < move_counts::kinds; ++k)
+        if (f & (1u << k)) at.add(k);
     }
   }
+  __syncthreads();  // the table is updated
+  // Each unit's window list: its Full windows in window order, then its Quantized ones, and
+  // after_routing on every live entry. Listing each tier together makes nearly every item pair the
+  // decode kernel takes two items of one kind (two records, or two of token rows), the kinds it
+  // handles without branches. With records of windows shorter than 8 tokens (L.record_entries > 1)
+  // each Quantized window is followed by padding, and the Full ones are padded to whole items
+  // (decode_layout::record_entries). Thread t holds windows Items * t ...; one scan of both tiers'
+  // counts (16-bit fields: at most 2^14 windows) places them.
+  const int R = L.record_entries;
+  constexpr window_entry padding{-1, 0};
+  for (int u = 0; u < U; ++u) {
+    const std::size_t list_index = static_cast<std::size_t>(l) * U + u;
+    window_entry* out = S.entries + list_index * L.entries_per_lane;
+    std::int32_t code[Items];  // the list entry's slot: Full slot, or ~ledger slot
+    tier t[Items];
+    int local_counts = 0;  // Full | Quantized << 16
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      const int w = mine + i;
+      t[i] = tier::evicted;
+      code[i] = 0;
+      if (w < started) {
+        window_record& rec = table[w * U + u];
+        const window_record r = rec;
+        t[i] = tier_of(r, w < aged_after);
+        if (t[i] != tier::evicted) rec.score = Scorer::after_routing(r.score);
+        code[i] = r.full_slot >= 0 ? r.full_slot : ~r.ledger_slot;
+        local_counts += t[i] == tier::full ? 1 : t[i] == tier::quantized ? 1 << 16 : 0;
+      }
+    }
+    int offsets, totals;
+    list_scan(list_storage).ExclusiveSum(local_counts, offsets, totals);
+    const int n_listed_full = totals & 0xffff, n_listed_quantized = totals >> 16;
+    const int full_end = (n_listed_full + R - 1) / R * R;  // whole items
+    int at_full = offsets & 0xffff, at_quantized = full_end + R * (offsets >> 16);
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      if (t[i] == tier::full) {
+        out[at_full++] = window_entry{mine + i, code[i]};
+      } else if (t[i] == tier::quantized) {
+        out[at_quantized] = window_entry{mine + i, code[i]};
+        for (int k = 1; k < R; ++k) out[at_quantized + k] = padding;
+        at_quantized += R;
+      }
+    }
+    for (int e = n_listed_full + static_cast<int>(threadIdx.x); e < full_end; e += blockDim.x) out[e] = padding;
+    if (threadIdx.x == 0) S.entry_counts[list_index] = full_end + R * n_listed_quantized;
+    __syncthreads();  // list_storage is free for the next unit
+  }
+  if (threadIdx.x == 0) {
+    lane.aged = aged_after;
+    extra.steps = 0;
+    extra.routed = 1;
+    extra.free_full = full_top - T[2] - T[3];
+    extra.free_ledger = ledger_top - T[5] - T[6];
+    task_count[0] = T[5] + T[6];
+    task_count[1] = T[2] + T[3];
+  }
+}
+
+/// Shared memory of route_decide_kernel<Scorer, Routing, Items> beyond its static part: the radix
+/// sort's.
+template <int Items>
+constexpr std::size_t route_sort_bytes() {
+  return sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>::TempStorage);
 }
 
 /// Dequantized key / value element of a record head, as Q::dequantize_* computes it (product and
@@ -455,6 +477,7 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
   constexpr int token_bytes = D * Q::bits / 8;
   const int worker = lane_id;
   const bool active = worker < D / 4;
+  constexpr unsigned active_lanes = D / 4 >= 32 ? 0xffffffffu : (1u << (D / 4)) - 1u;
   const quantizers::record_layout R = Q::layout(W, 1, D);
   if (keys && active) {
     // Keys in the record's key frame, one group per channel across the window's tokens.
@@ -463,20 +486,43 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
     for (int j = 0; j < W; ++j) {
       // The record's frame: rotated back by what attention will rotate the key by.
       const long long pos = Q::key_frame::read_rotation(window_start, window_start + j);
+      if constexpr (Rotates) {
+        // Each rotary pair once per warp (its double-precision angle is most of the work): with
+        // interleaved pairs a worker holds both members of its two pairs; with rotate-half pairs
+        // channel c < D/2 sits in worker c/4 and its partner c + D/2 in worker c/4 + D/8, so each of
+        // the two rotates two of the four pairs they share and hands the other member across.
+        if (layout == rope_layout::interleaved) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int c = 4 * worker + m;
-        if constexpr (Rotates) {
-          const int i = layout == rope_layout::interleaved ? c / 2 : c % (D / 2);
-          int a, b;
-          pair_members(layout, D, i, a, b);
-          float x0, x1;
-          rd.key_pair(w, j, h, i, a, b, x0, x1);
-          rotate_pair(x0, x1, pos, inv_freq[i], -1);
-          kx[j][m] = c == a ? x0 : x1;
+          for (int m = 0; m < 4; m += 2) {  // pair i = worker * 2 + m / 2: channels 4 * worker + m, + 1
+            const int i = 2 * worker + m / 2;
+            int a, b;
+            pair_members(layout, D, i, a, b);
+            float x0, x1;
+            rd.key_pair(w, j, h, i, a, b, x0, x1);
+            rotate_pair(x0, x1, pos, inv_freq[i], -1);
+            kx[j][m] = x0;
+            kx[j][m + 1] = x1;
+          }
         } else {
-          kx[j][m] = rd.key(w, j, h, c);
+          const bool low = worker < D / 8;  // holds channels below D/2
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            // This worker rotates the pair of its slot t (low) or t + 2 (high); slot s of worker k
+            // and slot s of worker k + D/8 are the two members of pair 4k + s (k < D/8).
+            const int i = 4 * (low ? worker : worker - D / 8) + (low ? t : t + 2);
+            int a, b;
+            pair_members(layout, D, i, a, b);
+            float x0, x1;  // channels i and i + D/2
+            rd.key_pair(w, j, h, i, a, b, x0, x1);
+            rotate_pair(x0, x1, pos, inv_freq[i], -1);
+            const float partner = __shfl_xor_sync(active_lanes, low ? x1 : x0, D / 8);
+            kx[j][t] = low ? x0 : partner;
+            kx[j][t + 2] = low ? partner : x1;
+          }
         }
+      } else {
+#pragma unroll
+        for (int m = 0; m < 4; ++m) kx[j][m] = rd.key(w, j, h, 4 * worker + m);
       }
     }
     code_unit bytes[W] = {};

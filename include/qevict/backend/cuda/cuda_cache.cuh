@@ -171,12 +171,16 @@ class cuda_cache {
       P.max_tasks = std::max(1, entries);
       params_.push_back(P);
     }
-    const std::size_t sort_smem = static_cast<std::size_t>(sort_capacity) * 8;
-    detail::require(sort_smem <= 160 * 1024, "backend::cuda: limits::max_tokens is too large for routing's shared-memory sort "
-                                             "(at most 16384 windows, or window-heads with per-KV-head selection)");
-    if (sort_smem > 48 * 1024)
-      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sort_smem)));
+    detail::require(sort_capacity <= kernels::detail::route_max_entries,
+                    "backend::cuda: limits::max_tokens is too large for routing's one-CTA sort (at most " +
+                        std::to_string(kernels::detail::route_max_entries) +
+                        " windows, or window-heads with per-KV-head selection)");
+    with_route_decide(sort_capacity, [&]<int MaxItems>() {
+      const std::size_t smem = kernels::detail::route_sort_bytes<MaxItems>();
+      if (smem > 48 * 1024)
+        QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    });
 
     const std::size_t need = required_bytes();
     if (external != nullptr) {
@@ -588,14 +592,26 @@ class cuda_cache {
     QEVICT_CUDA_CHECK_LAUNCH("scan_finite_kernel");
   }
 
+  /// f.template operator()<MaxItems>() with the decide kernel's table entries per thread for a lane
+  /// of sort_capacity table entries (kernels::detail::route_items_for).
+  template <class F>
+  static void with_route_decide(int sort_capacity, F&& f) {
+    switch (kernels::detail::route_items_for(sort_capacity)) {
+      case 1: f.template operator()<1>(); break;
+      case 4: f.template operator()<4>(); break;
+      default: f.template operator()<16>(); break;
+    }
+  }
+
   /// One routing event for every listed lane: decide, quantize, store.
   void launch_route(int layer, const kernels::lane_list& list, const kernels::route_source& src, int source_kind) {
     cudaStream_t st = set_.stream;
     const kernels::cache_params& P = params(layer);
-    const std::size_t smem = static_cast<std::size_t>(P.sort_capacity) * 8;
     const unsigned lanes = static_cast<unsigned>(list.n);
-    kernels::detail::route_decide_kernel<scorer, routing_policy><<<lanes, kernels::detail::route_threads, smem, st>>>(
-        P, S_, list, source_kind);
+    with_route_decide(P.sort_capacity, [&]<int MaxItems>() {
+      kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>
+          <<<lanes, kernels::detail::route_threads, kernels::detail::route_sort_bytes<MaxItems>(), st>>>(P, S_, list, source_kind);
+    });
     QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
     // Warps per lane for the data movements, one (window, KV head) each at a time. A decode event
     // moves from a few windows per lane (a settled ranking) to dozens (the events after a prefill,
