@@ -80,25 +80,32 @@ struct move_counts_sum {
   __device__ move_counts operator()(const move_counts& a, const move_counts& b) const { return a + b; }
 };
 
-/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane, Items table entries per
-/// thread (route_items_for). After its first event a lane under a frozen routing policy
-/// (routing::frozen_after_prefill) ranks only its newly aged windows, for the slots still free, as
-/// the host's route_lane does.
+/// A candidate of a routing event: its sort key (descending_score_key) and table entry.
+struct route_candidate {
+  std::uint32_t key;
+  std::int32_t entry;
+};
+
+/// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane. After its first event a
+/// lane under a frozen routing policy (routing::frozen_after_prefill) ranks only its newly aged
+/// windows, for the slots still free, as the host's route_lane does.
 ///
+/// MaxItems (route_items_for(P.sort_capacity)) table entries per thread cover the lane's table.
 /// Every phase works on what the threads hold in registers, in blocked order (thread t holds items
-/// Items * t ... Items * t + Items - 1): the candidates' keys in entry order, then, after one stable
-/// radix sort, the ranks; the prefix counts in rank order that place every push, pop and task come
-/// from one block scan, and each unit's window list from one more.
-template <class Scorer, class Routing, int Items>
+/// Items * t ... Items * t + Items - 1): the table's entries, whose candidates one block scan packs
+/// in entry order into shared memory; those, Items = route_items_for(candidates) to a thread, in one
+/// stable radix sort, which leaves them in rank order; the prefix counts in rank order that place
+/// every push, pop and task, from one block scan; and each unit's window list, from one more.
+template <class Scorer, class Routing, int MaxItems>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
-  using radix_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>;
   using move_scan = cub::BlockScan<move_counts, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
   using list_scan = cub::BlockScan<int, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
-  extern __shared__ __align__(16) unsigned char sort_storage[];  // radix_sort::TempStorage
+  // The packed candidates, then the radix sort's storage (route_decide_bytes<MaxItems>).
+  extern __shared__ __align__(16) unsigned char sort_storage[];
   __shared__ typename move_scan::TempStorage move_storage;
   __shared__ typename list_scan::TempStorage list_storage;
-  __shared__ int n_candidates, kept_by_full;
+  __shared__ int kept_by_full;
   const decode_layout& L = P.L;
   int* task_count = S.task_counts + 2 * blockIdx.x;
   if (failed(S.error)) {
@@ -123,165 +130,190 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const int full_capacity = frozen ? extra.free_full : P.full_capacity;
   const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
   const int U = L.units;
-  const int mine = Items * static_cast<int>(threadIdx.x);  // this thread's first item
 
   // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries; only the newly aged under a frozen
-  // selection. Entry e belongs to window L.window_of_entry(e). Every entry of the range gets a key
-  // (not_a_candidate for the evicted), in entry order, so the stable sort breaks equal scores
-  // toward the lower entry (ranks_before) and leaves the non-candidates behind the candidates.
-  if (threadIdx.x == 0) n_candidates = kept_by_full = 0;
-  const int first = (frozen ? aged_before : 0) * U, last = aged_after * U;
-  std::uint32_t key[Items];
-  int entry[Items];
+  // selection. Entry e belongs to window L.window_of_entry(e). They are packed in entry order, so
+  // that the stable sort breaks equal scores toward the lower entry (ranks_before).
+  if (threadIdx.x == 0) kept_by_full = 0;
+  route_candidate* packed = reinterpret_cast<route_candidate*>(sort_storage);
+  int n = 0;
   {
+    const int first = (frozen ? aged_before : 0) * U, last = aged_after * U;
+    const int mine = MaxItems * static_cast<int>(threadIdx.x);
+    route_candidate c[MaxItems];
     int count = 0;
 #pragma unroll
-    for (int i = 0; i < Items; ++i) {
-      entry[i] = first + mine + i;
-      key[i] = not_a_candidate;
-      if (entry[i] < last) {
-        const window_record r = table[entry[i]];
-        if (tier_of(r, L.window_of_entry(entry[i]) < aged_before) != tier::evicted) {
-          key[i] = descending_score_key(r.score);
+    for (int i = 0; i < MaxItems; ++i) {
+      c[i] = route_candidate{not_a_candidate, first + mine + i};
+      if (c[i].entry < last) {
+        const window_record r = table[c[i].entry];
+        if (tier_of(r, L.window_of_entry(c[i].entry) < aged_before) != tier::evicted) {
+          c[i].key = descending_score_key(r.score);
           ++count;
         }
       }
     }
-    __syncthreads();  // n_candidates is zero
-    if (count > 0) atomicAdd(&n_candidates, count);
-  }
-  radix_sort(*reinterpret_cast<typename radix_sort::TempStorage*>(sort_storage)).Sort(key, entry);
-  __syncthreads();  // n_candidates is complete
-  const int n = n_candidates;
-
-  // The ranked candidates' slots (item i of this thread has rank mine + i).
-  std::int32_t full_slot[Items], ledger_slot[Items];
-  tier prev[Items];
-  int has_in_full = 0;
-  const int n_full = min(full_capacity, n);
+    int at = 0;
+    list_scan(list_storage).ExclusiveSum(count, at, n);
 #pragma unroll
-  for (int i = 0; i < Items; ++i) {
-    full_slot[i] = ledger_slot[i] = -1;
-    prev[i] = tier::evicted;
-    if (mine + i < n) {
-      const window_record r = table[entry[i]];
-      full_slot[i] = r.full_slot;
-      ledger_slot[i] = r.ledger_slot;
-      prev[i] = tier_of(r, L.window_of_entry(entry[i]) < aged_before);
-      has_in_full += mine + i < n_full && r.ledger_slot >= 0 ? 1 : 0;
+    for (int i = 0; i < MaxItems; ++i)
+      if (c[i].key != not_a_candidate) packed[at++] = c[i];
+    __syncthreads();  // packed is complete; list_storage is free
+  }
+
+  // Ranks, Algorithm 1's tiers and the slot bookkeeping, with Items candidates per thread.
+  move_counts T;
+  int full_top = 0, ledger_top = 0;  // stack sizes after the pushes
+  const auto rank_and_move = [&]<int Items>() {
+    using radix_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>;
+    const int mine = Items * static_cast<int>(threadIdx.x);  // the rank of this thread's first item
+    std::uint32_t key[Items];
+    int entry[Items];
+#pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      const bool real = mine + i < n;  // the rest sort behind the candidates
+      key[i] = real ? packed[mine + i].key : not_a_candidate;
+      entry[i] = real ? packed[mine + i].entry : 0;
     }
-  }
-  // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
-  if (has_in_full > 0) atomicAdd(&kept_by_full, has_in_full);
-  __syncthreads();
-  const int room = ledger_capacity > kept_by_full ? ledger_capacity - kept_by_full : 0;
-  const int n_quantized = min(room, n - n_full);
+    __syncthreads();  // the sort's storage overlaps packed
+    radix_sort(*reinterpret_cast<typename radix_sort::TempStorage*>(sort_storage)).Sort(key, entry);
 
-  // Flags of the candidate at rank r: 0 evicted holding a Full slot, 1 demoted (Full -> Quantized),
-  // 2 promoted (Quantized -> Full), 3 newly aged -> Full, 4 evicted holding a record,
-  // 5 demoted without a record yet, 6 newly aged -> Quantized.
-  unsigned char flags[Items];
-  move_counts local;
-#pragma unroll
-  for (int i = 0; i < Items; ++i) {
-    const int r = mine + i;
-    const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
-    const bool evict = r < n && next == tier::evicted;
-    bool f[move_counts::kinds];
-    f[0] = evict && full_slot[i] >= 0;
-    f[4] = evict && ledger_slot[i] >= 0;
-    f[1] = r < n && next == tier::quantized && prev[i] == tier::full;
-    f[5] = f[1] && ledger_slot[i] < 0;
-    f[6] = r < n && next == tier::quantized && prev[i] == tier::recent;
-    f[2] = r < n && next == tier::full && prev[i] == tier::quantized;
-    f[3] = r < n && next == tier::full && prev[i] == tier::recent;
-    flags[i] = 0;
-#pragma unroll
-    for (int k = 0; k < move_counts::kinds; ++k)
-      if (f[k]) {
-        flags[i] |= static_cast<unsigned char>(1u << k);
-        local.add(k);
+    // The ranked candidates' slots (item i of this thread has rank mine + i).
+    std::int32_t full_slot[Items], ledger_slot[Items];
+    tier prev[Items];
+    int has_in_full = 0;
+    const int n_full = min(full_capacity, n);
+  #pragma unroll
+    for (int i = 0; i < Items; ++i) {
+      full_slot[i] = ledger_slot[i] = -1;
+      prev[i] = tier::evicted;
+      if (mine + i < n) {
+        const window_record r = table[entry[i]];
+        full_slot[i] = r.full_slot;
+        ledger_slot[i] = r.ledger_slot;
+        prev[i] = tier_of(r, L.window_of_entry(entry[i]) < aged_before);
+        has_in_full += mine + i < n_full && r.ledger_slot >= 0 ? 1 : 0;
       }
-  }
-  // Each kind's rank of this thread's first item, and the totals, in rank order.
-  move_counts before, T;
-  move_scan(move_storage).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
-  const int full0 = extra.free_full, ledger0 = extra.free_ledger;
-  const int full_top = full0 + T[0] + T[1];  // stack sizes after the pushes
-  const int ledger_top = ledger0 + T[4];
-  // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
-  {
-    move_counts at = before;
-#pragma unroll
-    for (int i = 0; i < Items; ++i) {
-      const unsigned f = flags[i];
-      if (f & 1u) free_full[full0 + at[0]] = full_slot[i];
-      if (f & 2u) free_full[full0 + T[0] + at[1]] = full_slot[i];
-      if (f & 16u) free_ledger[ledger0 + at[4]] = ledger_slot[i];
-#pragma unroll
-      for (int k = 0; k < move_counts::kinds; ++k)
-        if (f & (1u << k)) at.add(k);
     }
-  }
-  __syncthreads();  // the pushes are visible to the pops
-  // Pops and table updates; migration tasks in the host's order.
-  {
-    move_counts at = before;
-#pragma unroll
+    // assign_tiers: the top K_f are Full; Quantized takes K_q − |F ∩ ledger| of the rest.
+    if (has_in_full > 0) atomicAdd(&kept_by_full, has_in_full);
+    __syncthreads();
+    const int room = ledger_capacity > kept_by_full ? ledger_capacity - kept_by_full : 0;
+    const int n_quantized = min(room, n - n_full);
+
+    // Flags of the candidate at rank r: 0 evicted holding a Full slot, 1 demoted (Full -> Quantized),
+    // 2 promoted (Quantized -> Full), 3 newly aged -> Full, 4 evicted holding a record,
+    // 5 demoted without a record yet, 6 newly aged -> Quantized.
+    unsigned char flags[Items];
+    move_counts local;
+  #pragma unroll
     for (int i = 0; i < Items; ++i) {
-      const unsigned f = flags[i];
-      if (f == 0) continue;
-      const int w = entry[i];  // the table entry
-      std::int32_t fs = full_slot[i], ls = ledger_slot[i];
-      if (f & (1u | 16u)) {
-        fs = ls = -1;
-      } else if (f & 2u) {
-        if (f & 32u) {
-          const int slot = free_ledger[ledger_top - 1 - at[5]];
-          qtasks[at[5]] = migration_task{w, 1, fs, slot};
-          ls = slot;
+      const int r = mine + i;
+      const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
+      const bool evict = r < n && next == tier::evicted;
+      bool f[move_counts::kinds];
+      f[0] = evict && full_slot[i] >= 0;
+      f[4] = evict && ledger_slot[i] >= 0;
+      f[1] = r < n && next == tier::quantized && prev[i] == tier::full;
+      f[5] = f[1] && ledger_slot[i] < 0;
+      f[6] = r < n && next == tier::quantized && prev[i] == tier::recent;
+      f[2] = r < n && next == tier::full && prev[i] == tier::quantized;
+      f[3] = r < n && next == tier::full && prev[i] == tier::recent;
+      flags[i] = 0;
+  #pragma unroll
+      for (int k = 0; k < move_counts::kinds; ++k)
+        if (f[k]) {
+          flags[i] |= static_cast<unsigned char>(1u << k);
+          local.add(k);
         }
-        fs = -1;
-      } else if (f & 64u) {
-        const int k = T[5] + at[6];
-        const int slot = free_ledger[ledger_top - 1 - k];
-        qtasks[k] = migration_task{w, source_kind, 0, slot};
-        ls = slot;
-      } else if (f & 4u) {
-        const int slot = free_full[full_top - 1 - at[2]];
-        stasks[at[2]] = migration_task{w, 3, ls, slot};
-        fs = slot;
-      } else if (f & 8u) {
-        const int k = T[2] + at[3];
-        const int slot = free_full[full_top - 1 - k];
-        stasks[k] = migration_task{w, source_kind, 0, slot};
-        fs = slot;
-      }
-      table[w].full_slot = fs;
-      table[w].ledger_slot = ls;
-#pragma unroll
-      for (int k = 0; k < move_counts::kinds; ++k)
-        if (f & (1u << k)) at.add(k);
     }
-  }
+    // Each kind's rank of this thread's first item, and the totals, in rank order.
+    move_counts before;
+    move_scan(move_storage).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
+    const int full0 = extra.free_full, ledger0 = extra.free_ledger;
+    full_top = full0 + T[0] + T[1];
+    ledger_top = ledger0 + T[4];
+    // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
+    {
+      move_counts at = before;
+  #pragma unroll
+      for (int i = 0; i < Items; ++i) {
+        const unsigned f = flags[i];
+        if (f & 1u) free_full[full0 + at[0]] = full_slot[i];
+        if (f & 2u) free_full[full0 + T[0] + at[1]] = full_slot[i];
+        if (f & 16u) free_ledger[ledger0 + at[4]] = ledger_slot[i];
+  #pragma unroll
+        for (int k = 0; k < move_counts::kinds; ++k)
+          if (f & (1u << k)) at.add(k);
+      }
+    }
+    __syncthreads();  // the pushes are visible to the pops
+    // Pops and table updates; migration tasks in the host's order.
+    {
+      move_counts at = before;
+  #pragma unroll
+      for (int i = 0; i < Items; ++i) {
+        const unsigned f = flags[i];
+        if (f == 0) continue;
+        const int w = entry[i];  // the table entry
+        std::int32_t fs = full_slot[i], ls = ledger_slot[i];
+        if (f & (1u | 16u)) {
+          fs = ls = -1;
+        } else if (f & 2u) {
+          if (f & 32u) {
+            const int slot = free_ledger[ledger_top - 1 - at[5]];
+            qtasks[at[5]] = migration_task{w, 1, fs, slot};
+            ls = slot;
+          }
+          fs = -1;
+        } else if (f & 64u) {
+          const int k = T[5] + at[6];
+          const int slot = free_ledger[ledger_top - 1 - k];
+          qtasks[k] = migration_task{w, source_kind, 0, slot};
+          ls = slot;
+        } else if (f & 4u) {
+          const int slot = free_full[full_top - 1 - at[2]];
+          stasks[at[2]] = migration_task{w, 3, ls, slot};
+          fs = slot;
+        } else if (f & 8u) {
+          const int k = T[2] + at[3];
+          const int slot = free_full[full_top - 1 - k];
+          stasks[k] = migration_task{w, source_kind, 0, slot};
+          fs = slot;
+        }
+        table[w].full_slot = fs;
+        table[w].ledger_slot = ls;
+  #pragma unroll
+        for (int k = 0; k < move_counts::kinds; ++k)
+          if (f & (1u << k)) at.add(k);
+      }
+    }
+  };
+  const int items = route_items_for(n);
+  if (items == 1) rank_and_move.template operator()<1>();
+  if constexpr (MaxItems >= 4)
+    if (items == 4) rank_and_move.template operator()<4>();
+  if constexpr (MaxItems >= 16)
+    if (items == 16) rank_and_move.template operator()<16>();
   __syncthreads();  // the table is updated
   // Each unit's window list: its Full windows in window order, then its Quantized ones, and
   // after_routing on every live entry. Listing each tier together makes nearly every item pair the
   // decode kernel takes two items of one kind (two records, or two of token rows), the kinds it
   // handles without branches. With records of windows shorter than 8 tokens (L.record_entries > 1)
   // each Quantized window is followed by padding, and the Full ones are padded to whole items
-  // (decode_layout::record_entries). Thread t holds windows Items * t ...; one scan of both tiers'
+  // (decode_layout::record_entries). Thread t holds windows MaxItems * t ...; one scan of both tiers'
   // counts (16-bit fields: at most 2^14 windows) places them.
   const int R = L.record_entries;
   constexpr window_entry padding{-1, 0};
+  const int mine = MaxItems * static_cast<int>(threadIdx.x);  // this thread's first window
   for (int u = 0; u < U; ++u) {
     const std::size_t list_index = static_cast<std::size_t>(l) * U + u;
     window_entry* out = S.entries + list_index * L.entries_per_lane;
-    std::int32_t code[Items];  // the list entry's slot: Full slot, or ~ledger slot
-    tier t[Items];
+    std::int32_t code[MaxItems];  // the list entry's slot: Full slot, or ~ledger slot
+    tier t[MaxItems];
     int local_counts = 0;  // Full | Quantized << 16
 #pragma unroll
-    for (int i = 0; i < Items; ++i) {
+    for (int i = 0; i < MaxItems; ++i) {
       const int w = mine + i;
       t[i] = tier::evicted;
       code[i] = 0;
@@ -300,7 +332,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     const int full_end = (n_listed_full + R - 1) / R * R;  // whole items
     int at_full = offsets & 0xffff, at_quantized = full_end + R * (offsets >> 16);
 #pragma unroll
-    for (int i = 0; i < Items; ++i) {
+    for (int i = 0; i < MaxItems; ++i) {
       if (t[i] == tier::full) {
         out[at_full++] = window_entry{mine + i, code[i]};
       } else if (t[i] == tier::quantized) {
@@ -324,11 +356,16 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   }
 }
 
-/// Shared memory of route_decide_kernel<Scorer, Routing, Items> beyond its static part: the radix
-/// sort's.
-template <int Items>
-constexpr std::size_t route_sort_bytes() {
-  return sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>::TempStorage);
+/// Dynamic shared memory of route_decide_kernel<Scorer, Routing, MaxItems>: the packed candidates,
+/// or the largest radix sort it may run, whichever is larger.
+template <int MaxItems>
+constexpr std::size_t route_decide_bytes() {
+  std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
+  const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
+  at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 1, int>::TempStorage));
+  if constexpr (MaxItems >= 4) at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 4, int>::TempStorage));
+  if constexpr (MaxItems >= 16) at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 16, int>::TempStorage));
+  return bytes;
 }
 
 /// Dequantized key / value element of a record head, as Q::dequantize_* computes it (product and

@@ -176,7 +176,7 @@ class cuda_cache {
                         std::to_string(kernels::detail::route_max_entries) +
                         " windows, or window-heads with per-KV-head selection)");
     with_route_decide(sort_capacity, [&]<int MaxItems>() {
-      const std::size_t smem = kernels::detail::route_sort_bytes<MaxItems>();
+      const std::size_t smem = kernels::detail::route_decide_bytes<MaxItems>();
       if (smem > 48 * 1024)
         QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -610,7 +610,7 @@ class cuda_cache {
     const unsigned lanes = static_cast<unsigned>(list.n);
     with_route_decide(P.sort_capacity, [&]<int MaxItems>() {
       kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>
-          <<<lanes, kernels::detail::route_threads, kernels::detail::route_sort_bytes<MaxItems>(), st>>>(P, S_, list, source_kind);
+          <<<lanes, kernels::detail::route_threads, kernels::detail::route_decide_bytes<MaxItems>(), st>>>(P, S_, list, source_kind);
     });
     QEVICT_CUDA_CHECK_LAUNCH("route_decide_kernel");
     // Warps per lane for the data movements, one (window, KV head) each at a time. A decode event
