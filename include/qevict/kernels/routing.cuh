@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     tier prev[Items];
     int has_in_full = 0;
     const int n_full = min(full_capacity, n);
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < Items; ++i) {
       full_slot[i] = ledger_slot[i] = -1;
       prev[i] = tier::evicted;
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     // 5 demoted without a record yet, 6 newly aged -> Quantized.
     unsigned char flags[Items];
     move_counts local;
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < Items; ++i) {
       const int r = mine + i;
       const tier next = r < n_full ? tier::full : r < n_full + n_quantized ? tier::quantized : tier::evicted;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       f[2] = r < n && next == tier::full && prev[i] == tier::quantized;
       f[3] = r < n && next == tier::full && prev[i] == tier::recent;
       flags[i] = 0;
-  #pragma unroll
+#pragma unroll
       for (int k = 0; k < move_counts::kinds; ++k)
         if (f[k]) {
           flags[i] |= static_cast<unsigned char>(1u << k);
@@ -236,13 +236,13 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
     {
       move_counts at = before;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < Items; ++i) {
         const unsigned f = flags[i];
         if (f & 1u) free_full[full0 + at[0]] = full_slot[i];
         if (f & 2u) free_full[full0 + T[0] + at[1]] = full_slot[i];
         if (f & 16u) free_ledger[ledger0 + at[4]] = ledger_slot[i];
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < move_counts::kinds; ++k)
           if (f & (1u << k)) at.add(k);
       }
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     // Pops and table updates; migration tasks in the host's order.
     {
       move_counts at = before;
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < Items; ++i) {
         const unsigned f = flags[i];
         if (f == 0) continue;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
         }
         table[w].full_slot = fs;
         table[w].ledger_slot = ls;
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < move_counts::kinds; ++k)
           if (f & (1u << k)) at.add(k);
       }
