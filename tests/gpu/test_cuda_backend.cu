@@ -58,16 +58,17 @@ TEST_CASE("CUDA backend matches the host backend") {
   }
 }
 
-TEST_CASE("CUDA backend: routing events over thousands of windows (each size of the decide kernel's sort)") {
-  // Up to 1024 table entries the decide kernel sorts one per thread; these tables need 4 (12000
+TEST_CASE("CUDA backend: routing events over thousands of windows (tables of 4 and 16 entries a decide-kernel thread)") {
+  // Up to 1024 table entries the decide kernel reads one per thread; these tables need 4 (12000
   // tokens: 1500 windows) and 16 (40000 tokens: 5000 windows) per thread, and the prompts fill
-  // hundreds to over a thousand windows, so the ranked candidates sit in many threads' registers,
-  // several to a thread, and the prefix counts cross threads and warps. The prefill's event ranks
-  // each backend's own observation scores, which agree only to float rounding: thousands of
-  // windows have near-ties that rounding orders either way (two of 3022 windows did: 0.0063813780
-  // above 0.0063813427 on the host, 0.0063813925 above 0.0063813860 on the device), which swaps
-  // their slots. These prompts are long enough to fill the sorts and short
-  // enough to have none; every decode event is then compared on identical scores (sync_scores).
+  // hundreds to over a thousand windows, so the candidates packed for the sort come from many
+  // threads, several to a thread, and the window lists' prefix counts cross threads and warps.
+  // The prefill's event ranks each backend's own observation scores, which agree only to float
+  // rounding: thousands of windows have near-ties that rounding orders either way (two of 3022
+  // windows did: 0.0063813780 above 0.0063813427 on the host, 0.0063813925 above 0.0063813860 on
+  // the device), which swaps their slots. These prompts are long enough to fill the tables and
+  // short enough to have none; every decode event is then compared on identical scores
+  // (sync_scores).
   const element_type bf = element_type::bf16;
   const int steps = quick() ? 16 : 64;
   const std::vector<case_spec> cases = {

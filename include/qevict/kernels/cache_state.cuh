@@ -61,7 +61,7 @@ struct cache_params {
   int recent = 0;              ///< L: tokens that never age
   int routing_interval = 0;
   int max_windows = 0;
-  int sort_capacity = 0;       ///< power of two >= max_windows * units (routing's shared-memory sort)
+  int sort_capacity = 0;       ///< power of two >= max_windows * units (the decide kernel's table size)
   int full_capacity = 0;       ///< K_f (in units) of this layer
   int ledger_capacity = 0;     ///< K_q (in units) of this layer
   int full_stride = 0;         ///< free-slot stack entries per lane (the largest K_f of any layer)

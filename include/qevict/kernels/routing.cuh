@@ -47,13 +47,22 @@ namespace detail {
 
 constexpr int route_threads = 1024;
 
-/// Sort keys each decide-kernel thread holds: table entries per thread of the radix sort (and windows
-/// per thread when the kernel lists a unit's windows). A lane's capacity of P.sort_capacity entries
-/// takes the smallest of 1, 4 or 16 per thread that holds it.
-constexpr int route_items_for(int sort_capacity) {
-  return sort_capacity <= route_threads ? 1 : sort_capacity <= 4 * route_threads ? 4 : 16;
-}
+/// Items per decide-kernel thread for `count` items (a lane's table entries or windows, or the
+/// candidates the radix sort ranks): the smallest of 1, 4 or 16 that holds them.
+constexpr int route_items_for(int count) { return count <= route_threads ? 1 : count <= 4 * route_threads ? 4 : 16; }
 constexpr int route_max_entries = 16 * route_threads;
+
+/// f.template operator()<Items>() for Items = items, one of route_items_for's counts up to MaxItems:
+/// the one place that maps a count to the instantiation that runs it (the host picks the kernel,
+/// the kernel its sort).
+template <int MaxItems, class F>
+QEVICT_HOST_DEVICE constexpr void with_route_items(int items, F&& f) {
+  if (items == 1) f.template operator()<1>();
+  if constexpr (MaxItems >= 4)
+    if (items == 4) f.template operator()<4>();
+  if constexpr (MaxItems >= 16)
+    if (items == 16) f.template operator()<16>();
+}
 
 /// Float score -> unsigned key whose ascending order is descending score (+0 and -0 equal). A finite
 /// score never gives ~0u, which marks a table entry that is no candidate.
@@ -289,12 +298,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       }
     }
   };
-  const int items = route_items_for(n);
-  if (items == 1) rank_and_move.template operator()<1>();
-  if constexpr (MaxItems >= 4)
-    if (items == 4) rank_and_move.template operator()<4>();
-  if constexpr (MaxItems >= 16)
-    if (items == 16) rank_and_move.template operator()<16>();
+  with_route_items<MaxItems>(route_items_for(n), rank_and_move);
   __syncthreads();  // the table is updated
   // Each unit's window list: its Full windows in window order, then its Quantized ones, and
   // after_routing on every live entry. Listing each tier together makes nearly every item pair the

@@ -596,11 +596,8 @@ class cuda_cache {
   /// of sort_capacity table entries (kernels::detail::route_items_for).
   template <class F>
   static void with_route_decide(int sort_capacity, F&& f) {
-    switch (kernels::detail::route_items_for(sort_capacity)) {
-      case 1: f.template operator()<1>(); break;
-      case 4: f.template operator()<4>(); break;
-      default: f.template operator()<16>(); break;
-    }
+    kernels::detail::with_route_items<kernels::detail::route_max_entries / kernels::detail::route_threads>(
+        kernels::detail::route_items_for(sort_capacity), f);
   }
 
   /// One routing event for every listed lane: decide, quantize, store.
