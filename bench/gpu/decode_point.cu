@@ -1,8 +1,9 @@
 // One (batch, context, budget) point of the decode benchmark, for profilers and quick variants:
-//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass]
+//   decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass] [both|records|full]
 // (BUDGET 0 = every window Full; ITEMS_PER_CHUNK 0 (default) = the launch's own choice,
 // kernels::decode_chunk; the records' key frame: before RoPE (default), relative to the window's
-// start, after RoPE; with window mass (default) or without).
+// start, after RoPE; with window mass (default) or without; the budget's Full and Quantized
+// windows (default), or only its records, or only its Full windows: bench::kept_tiers).
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
@@ -13,7 +14,7 @@
 int main(int argc, char** argv) {
   using namespace qevict;
   if (argc < 4) {
-    std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass]\n");
+    std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass] [both|records|full]\n");
     return 2;
   }
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
@@ -22,10 +23,14 @@ int main(int argc, char** argv) {
   const int ipc = argc > 5 ? std::atoi(argv[5]) : 0;  // 0: automatic
   const std::string frame = argc > 6 ? argv[6] : "pre";
   const bool mass = !(argc > 7 && std::string(argv[7]) == "nomass");
+  const std::string kept = argc > 8 ? argv[8] : "both";
+  const bench::kept_tiers tiers = kept == "records" ? bench::kept_tiers::records_only
+                                  : kept == "full"  ? bench::kept_tiers::full_only
+                                                    : bench::kept_tiers::both;
   const geometry g = bench::llama_layer();
-  bench::decode_state s = frame == "post"       ? bench::make_state<bench::post_rope>(g, batch, context, f, ipc)
-                          : frame == "relative" ? bench::make_state<bench::window_relative>(g, batch, context, f, ipc)
-                                                : bench::make_state(g, batch, context, f, ipc);
+  bench::decode_state s = frame == "post"       ? bench::make_state<bench::post_rope>(g, batch, context, f, ipc, tiers)
+                          : frame == "relative" ? bench::make_state<bench::window_relative>(g, batch, context, f, ipc, tiers)
+                                                : bench::make_state(g, batch, context, f, ipc, tiers);
   const kernels::decode_arguments a = s.arguments();
   auto step = [&] {
     if (mass) kernels::decode_attention<true, scorers::cumulative_mass>(g.element, s.layout, a, s.max_items, nullptr);
@@ -38,8 +43,8 @@ int main(int argc, char** argv) {
   }
   const float ms = bench::median_ms(step, 5, reps);
   std::printf("{\"impl\": \"%s\", \"mass\": %s, \"batch\": %d, \"context\": %d, \"budget\": %.2f, \"items_per_chunk\": %d, \"ms\": %.5f, "
-              "\"bytes\": %zu, \"tbps\": %.3f}\n",
-              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", mass ? "true" : "false", batch, context, f, ipc, ms, s.bytes_read, s.bytes_read / ms / 1e9);
+              "\"kept\": \"%s\", \"full_windows\": %d, \"quantized_windows\": %d, \"bytes\": %zu, \"tbps\": %.3f}\n",
+              frame == "post" ? "qevict_post_rope" : frame == "relative" ? "qevict_window_relative" : "qevict", mass ? "true" : "false", batch, context, f, ipc, ms, kept.c_str(), s.n_full, s.n_quantized, s.bytes_read, s.bytes_read / ms / 1e9);
   s.release();
   return 0;
 }

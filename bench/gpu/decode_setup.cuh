@@ -3,6 +3,8 @@
 // with its pools filled, so that the kernel reads exactly what it would read in a model. Sinks,
 // recent ring and Full windows hold bf16 values; ledger records hold arbitrary codes and finite
 // bf16 metadata. The first K_f aged windows are Full, the next K_q Quantized, the rest evicted.
+// Queries are random (unit variance, like the PyTorch peers' randn): zeros would make every score
+// equal and every tensor-core product a product of zeros, which times something a model never runs.
 
 #include <cuda_runtime.h>
 
@@ -35,6 +37,20 @@ __global__ void fill_bf16(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
     p[i] = static_cast<std::uint16_t>(__float_as_uint(f) >> 16);
   }
 }
+
+// Random floats of variance 1 (uniform in [-sqrt 3, sqrt 3]).
+__global__ void fill_unit_variance(float* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
+    p[i] = (static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f) * 1.7320508f;
+  }
+}
+
+/// Which of the budget's kept windows a state lists: both tiers (what a cache holds), or, to see
+/// what each costs on its own, only the K_q records or only the K_f Full windows (same counts).
+enum class kept_tiers { both, records_only, full_only };
 
 struct decode_state {
   region_plan plan;
@@ -80,7 +96,8 @@ inline geometry llama_layer(element_type e = element_type::bf16) {
 
 /// `fraction` <= 0 means budget::everything() (every window Full).
 template <class Config = qevict::config<>>
-decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 0) {
+decode_state make_state(const geometry& g, int batch, int context, double fraction, int items_per_chunk = 0,
+                        kept_tiers tiers = kept_tiers::both) {
   decode_state s;
   const budget b = fraction > 0 ? budget::fraction(fraction) : budget::everything();
   const limits lim{.max_batch = batch, .max_tokens = context};
@@ -98,6 +115,8 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   const int aged = std::max(0, (context - p.sinks - p.recent) / p.window);
   s.n_full = static_cast<int>(std::min<std::size_t>(p.caps.full, aged));
   s.n_quantized = static_cast<int>(std::min<std::size_t>(p.caps.quantized, aged - s.n_full));
+  if (tiers == kept_tiers::records_only) s.n_full = 0;
+  if (tiers == kept_tiers::full_only) s.n_quantized = 0;
   std::vector<kernels::window_entry> entries(static_cast<std::size_t>(batch) * s.layout.entries_per_lane);
   std::vector<kernels::lane_state> lanes(batch);
   std::vector<int> entry_counts(batch), batch_lanes(batch);
@@ -141,7 +160,8 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   QEVICT_CUDA_CHECK(cudaMemcpy(s.batch_lanes, batch_lanes.data(), batch * sizeof(int), cudaMemcpyHostToDevice));
   const std::size_t qn = static_cast<std::size_t>(batch) * g.q_heads * d;
   QEVICT_CUDA_CHECK(cudaMalloc(&s.q, qn * sizeof(float)));
-  QEVICT_CUDA_CHECK(cudaMemset(s.q, 0, qn * sizeof(float)));
+  fill_unit_variance<<<256, 256>>>(s.q, qn, 777u);
+  QEVICT_CUDA_CHECK_LAUNCH("fill_unit_variance");
   QEVICT_CUDA_CHECK(cudaMalloc(&s.out, qn * sizeof(float)));
   const auto inv = rope::rotary::inverse_frequencies(g.rope, g.head_dim);
   QEVICT_CUDA_CHECK(cudaMalloc(&s.inv_freq, inv.size() * sizeof(double)));
