@@ -946,6 +946,30 @@ __device__ __forceinline__ void query_for_window(const float (&qr)[D / 16][4], c
   }
 }
 
+/// Window-relative records of a group of at most 4 heads, two at a time: rows 0-3 of the query
+/// fragments are rotated back by item a's window start and rows 4-7 (the same heads:
+/// query_fragments) by item b's, so that one rotation serves both records and score_record_pair's
+/// rows 0-3 score item a, rows 4-7 item b (its zero product gives each row the zeros of its own
+/// item: even columns item a's, odd ones item b's). Lanes g and g + 4 (lane ids 16 apart) then
+/// swap the scores the other one holds, so that every lane has both items' scores of head g % 4,
+/// as score_record_pair gives them for records used as stored (rows 4-7 repeat rows 0-3, as
+/// every row past the group holds values that the output and the masses never read).
+template <int D, int Meta>
+__device__ __forceinline__ void score_relative_pair(const float (&qr)[D / 16][4], const float2* cs_a, const float2* cs_b,
+                                                    rope_layout layout, const std::uint8_t* s_a, const std::uint8_t* s_b,
+                                                    int g, int t, std::uint32_t (&qf)[D / 16][4], float (&sa)[2],
+                                                    float (&sb)[2]) {
+  const bool rows_a = g < 4;
+  query_for_window<D>(qr, rows_a ? cs_a : cs_b, layout, t, qf);
+  score_record_pair<D, Meta>(s_a, s_b, g, t, qf, sa, sb);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float other = __shfl_xor_sync(0xffffffffu, rows_a ? sa[e] : sb[e], 16);
+    if (rows_a) sb[e] = other;
+    else sa[e] = other;
+  }
+}
+
 /// Value code field Field (0 .. 16/Bits - 1) of each register of r into the A fragments of its
 /// tile and row half (see record_value_fragments), for Field and every later field.
 template <bool Bf16, int Bits, int D, int Pieces, int Field = 0>
@@ -1063,7 +1087,8 @@ inline constexpr record_query record_query_of = Records == record_rotation::each
 ///            its low part (channels 16s + 2t, 2t+1, 2t+8, 2t+9);
 ///   second = for records used as stored, the same in fp16 in score_record's channel order
 ///            (16s + t, t+8, t+4, t+12; 22 bits); for window-relative records those channels in
-///            fp32, rotated per window by query_for_window.
+///            fp32, rotated per window by query_for_window (with at most 4 heads, rows 4-7 repeat
+///            rows 0-3: paired_rotation).
 template <int D, bool Bf16, record_query RecordQuery>
 __device__ __forceinline__ void query_fragments(const float* q, int G, int g, int t, int s, uint4& first, uint4& second) {
   const float* row = q + min(g, G - 1) * D + 16 * s;
@@ -1075,7 +1100,12 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
     warp::split_16<false>(at(t), at(t + 8), second.x, second.y);
     warp::split_16<false>(at(t + 4), at(t + 12), second.z, second.w);
   } else if constexpr (RecordQuery == record_query::fp32) {
-    second = make_uint4(__float_as_uint(at(t)), __float_as_uint(at(t + 8)), __float_as_uint(at(t + 4)), __float_as_uint(at(t + 12)));
+    // A group of at most 4 heads leaves rows 4-7 free: they repeat rows 0-3, so that the decode
+    // kernel can rotate them by a second window's start (paired_rotation).
+    const int gr = G <= 4 ? (g & 3) : g;
+    const float* rr = q + min(gr, G - 1) * D + 16 * s;
+    auto at_r = [&](int c) { return gr < G ? rr[c] : 0.0f; };
+    second = make_uint4(__float_as_uint(at_r(t)), __float_as_uint(at_r(t + 8)), __float_as_uint(at_r(t + 4)), __float_as_uint(at_r(t + 12)));
   }
 }
 
@@ -1370,6 +1400,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       // has no branch on item kinds. Every item has its 8 tokens.
       using slots = record_slots<D, QueryPerWindow>;
       constexpr int RS = slots::stages;
+      // Window-relative records of a group of at most 4 heads: one query rotation per pair.
+      [[maybe_unused]] const bool paired_rotation = QueryPerWindow && G <= 4;
       auto issue = [&](int k) {
         if (k < my_pairs) {
           const int pair = warp_id + k * warps_per_cta;
@@ -1404,9 +1436,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         __syncwarp();
         float sa[2], sb[2];
         if constexpr (QueryPerWindow) {
-          float ca[4], cb[4];
-          score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
-          sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
+          if (paired_rotation) {
+            score_relative_pair<D, slots::meta>(qr, cs_a, cs_b, L.layout, s_a, s_b, g, t, qf, sa, sb);
+          } else {
+            float ca[4], cb[4];
+            score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
+            sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
+          }
         } else {
           score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
         }
