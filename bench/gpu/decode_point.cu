@@ -7,6 +7,7 @@
 // Prints one JSON line like decode_peers; REPS 0 launches once (for ncu).
 #include <cstdio>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "decode_setup.cuh"
@@ -17,13 +18,23 @@ int main(int argc, char** argv) {
     std::printf("usage: decode_point BATCH CONTEXT BUDGET [REPS] [ITEMS_PER_CHUNK] [pre|relative|post] [mass|nomass] [both|records|full]\n");
     return 2;
   }
+  // One of `allowed` (its first by default when the argument is absent), or a usage error.
+  auto choice = [&](int k, std::initializer_list<const char*> allowed) -> std::string {
+    const std::string v = argc > k ? argv[k] : *allowed.begin();
+    for (const char* a : allowed)
+      if (v == a) return v;
+    std::fprintf(stderr, "decode_point: argument %d is '%s'; expected one of:", k, v.c_str());
+    for (const char* a : allowed) std::fprintf(stderr, " %s", a);
+    std::fprintf(stderr, "\n");
+    std::exit(2);
+  };
   const int batch = std::atoi(argv[1]), context = std::atoi(argv[2]);
   const double f = std::atof(argv[3]);
   const int reps = argc > 4 ? std::atoi(argv[4]) : 30;
   const int ipc = argc > 5 ? std::atoi(argv[5]) : 0;  // 0: automatic
-  const std::string frame = argc > 6 ? argv[6] : "pre";
-  const bool mass = !(argc > 7 && std::string(argv[7]) == "nomass");
-  const std::string kept = argc > 8 ? argv[8] : "both";
+  const std::string frame = choice(6, {"pre", "relative", "post"});
+  const bool mass = choice(7, {"mass", "nomass"}) == "mass";
+  const std::string kept = choice(8, {"both", "records", "full"});
   const bench::kept_tiers tiers = kept == "records" ? bench::kept_tiers::records_only
                                   : kept == "full"  ? bench::kept_tiers::full_only
                                                     : bench::kept_tiers::both;

@@ -26,26 +26,36 @@ using paper = config<>;
 using window_relative = presets::qevict_window_relative::config_type;
 using post_rope = presets::qevict_post_rope::config_type;
 
+// A hash of element i of a filled buffer.
+__device__ __forceinline__ std::uint32_t hash32(std::size_t i, std::uint32_t seed) {
+  std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+  x ^= x >> 15; x *= 2246822519u; x ^= x >> 13;
+  return x;
+}
+
+// p[i] = value(hash32(i, seed)) over a grid-stride loop.
+template <class T, class Value>
+__device__ __forceinline__ void fill(T* p, std::size_t n, std::uint32_t seed, Value value) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
+    p[i] = value(hash32(i, seed));
+}
+
 // Finite bf16 values in [-1, 1] everywhere: every byte of the arena is then valid as a token row,
 // a code or a bf16 metadata word.
 __global__ void fill_bf16(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13;
+  fill(p, n, seed, [](std::uint32_t x) {
     const float f = static_cast<float>(x & 0xffffu) / 32768.0f - 1.0f;
-    p[i] = static_cast<std::uint16_t>(__float_as_uint(f) >> 16);
-  }
+    return static_cast<std::uint16_t>(__float_as_uint(f) >> 16);
+  });
 }
 
 // Random floats of variance 1 (uniform in [-sqrt 3, sqrt 3]).
 __global__ void fill_unit_variance(float* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15; x *= 2246822519u; x ^= x >> 13; x *= 3266489917u; x ^= x >> 16;
-    p[i] = (static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f) * 1.7320508f;
-  }
+  fill(p, n, seed, [](std::uint32_t x) {
+    x *= 3266489917u; x ^= x >> 16;
+    return (static_cast<float>(x >> 8) / 16777216.0f * 2.0f - 1.0f) * 1.7320508f;
+  });
 }
 
 /// Which of the budget's kept windows a state lists: both tiers (what a cache holds), or, to see

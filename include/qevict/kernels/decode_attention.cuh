@@ -1091,8 +1091,12 @@ inline constexpr record_query record_query_of = Records == record_rotation::each
 ///            rows 0-3: paired_rotation).
 template <int D, bool Bf16, record_query RecordQuery>
 __device__ __forceinline__ void query_fragments(const float* q, int G, int g, int t, int s, uint4& first, uint4& second) {
-  const float* row = q + min(g, G - 1) * D + 16 * s;
-  auto at = [&](int c) { return g < G ? row[c] : 0.0f; };
+  // Head `head`'s channels 16s + c (0 for rows past the group).
+  auto channels_of = [&](int head) {
+    const float* row = q + min(head, G - 1) * D + 16 * s;
+    return [=](int c) { return head < G ? row[c] : 0.0f; };
+  };
+  const auto at = channels_of(g);
   warp::split_16<Bf16>(at(2 * t), at(2 * t + 1), first.x, first.y);
   warp::split_16<Bf16>(at(2 * t + 8), at(2 * t + 9), first.z, first.w);
   second = make_uint4(0u, 0u, 0u, 0u);
@@ -1103,8 +1107,7 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
     // A group of at most 4 heads leaves rows 4-7 free: they repeat rows 0-3, so that the decode
     // kernel can rotate them by a second window's start (paired_rotation).
     const int gr = G <= 4 ? (g & 3) : g;
-    const float* rr = q + min(gr, G - 1) * D + 16 * s;
-    auto at_r = [&](int c) { return gr < G ? rr[c] : 0.0f; };
+    const auto at_r = channels_of(gr);
     second = make_uint4(__float_as_uint(at_r(t)), __float_as_uint(at_r(t + 8)), __float_as_uint(at_r(t + 4)), __float_as_uint(at_r(t + 12)));
   }
 }
