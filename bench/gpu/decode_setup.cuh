@@ -70,8 +70,9 @@ struct decode_state {
   kernels::window_entry* entries = nullptr;
   int* entry_counts = nullptr;
   int* batch_lanes = nullptr;
-  float *q = nullptr, *out = nullptr, *part_o = nullptr, *part_mass = nullptr;
+  float *q = nullptr, *out = nullptr, *part_o = nullptr, *part_mass = nullptr, *part_factor = nullptr;
   float2* part_ml = nullptr;
+  unsigned* tickets = nullptr;  // zeroed once (kernels::decode_arguments::tickets)
   uint4* q_fragments = nullptr;
   float2* cs_table = nullptr;
   double* inv_freq = nullptr;
@@ -82,14 +83,14 @@ struct decode_state {
   kernels::decode_arguments arguments() const {
     kernels::decode_arguments a;
     a.arena = arena; a.lanes = lanes; a.entries = entries; a.entry_counts = entry_counts; a.batch_lanes = batch_lanes; a.batch = batch;
-    a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.q_fragments = q_fragments; a.cs_table = cs_table;
+    a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.part_factor = part_factor; a.tickets = tickets; a.q_fragments = q_fragments; a.cs_table = cs_table;
     a.items_per_chunk = items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(layout, items_per_chunk);
     return a;
   }
   void release() {
     cudaFree(arena); cudaFree(lanes); cudaFree(entries); cudaFree(entry_counts); cudaFree(batch_lanes); cudaFree(q); cudaFree(out);
-    cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(q_fragments); cudaFree(cs_table); cudaFree(inv_freq);
+    cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(part_factor); cudaFree(tickets); cudaFree(q_fragments); cudaFree(cs_table); cudaFree(inv_freq);
   }
 };
 
@@ -180,6 +181,9 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_o, ws.o));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_ml, ws.ml));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.part_mass, ws.mass));
+  QEVICT_CUDA_CHECK(cudaMalloc(&s.part_factor, ws.factor));
+  QEVICT_CUDA_CHECK(cudaMalloc(&s.tickets, ws.tickets));
+  QEVICT_CUDA_CHECK(cudaMemset(s.tickets, 0, ws.tickets));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.q_fragments, ws.q));
   QEVICT_CUDA_CHECK(cudaMalloc(&s.cs_table, ws.table));
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());

@@ -165,6 +165,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   device_buffer<float> d_o(ws.o / sizeof(float));
   device_buffer<float2> d_ml(ws.ml / sizeof(float2));
   device_buffer<float> d_mass(ws.mass / sizeof(float));
+  device_buffer<float> d_factor(ws.factor / sizeof(float));
+  device_buffer<unsigned> d_tickets(std::vector<unsigned>(ws.tickets / sizeof(unsigned), 0u));
   device_buffer<uint4> d_qf(ws.q / sizeof(uint4));
   device_buffer<float2> d_table(ws.table / sizeof(float2));
   kernels::decode_arguments a;
@@ -180,6 +182,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   a.part_o = d_o.ptr;
   a.part_ml = d_ml.ptr;
   a.part_mass = d_mass.ptr;
+  a.part_factor = d_factor.ptr;
+  a.tickets = d_tickets.ptr;
   a.q_fragments = d_qf.ptr;
   a.cs_table = d_table.ptr;
   a.items_per_chunk = ipc;
@@ -188,6 +192,13 @@ void run_case(const case_spec& spec, unsigned seed) {
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> out = d_out.download();
   const std::vector<std::byte> arena_after = d_arena.download();
+  // The CTA that merges a (sequence, KV head) set its ticket back to zero: a second launch on the
+  // same workspace merges the same chunks in the same order (it adds the masses to the scores
+  // again, which the check below does not read).
+  REQUIRE(d_tickets.download() == std::vector<unsigned>(d_tickets.n, 0u));
+  kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
+  QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
+  CHECK(d_out.download() == out);
 
   // Output: relative L2 error of every head's vector.
   double worst = 0.0;

@@ -135,6 +135,9 @@ void check_layouts(int head_dim, const budget& b) {
     CHECK(ws.o == bh * chunks * group * head_dim * sizeof(float));
     CHECK(ws.ml == bh * chunks * group * 2 * sizeof(float));
     CHECK(ws.mass == bh * L.max_items * S * group * sizeof(float));
+    // A merge factor per chunk and query head; a ticket per (sequence, KV head).
+    CHECK(ws.factor == bh * chunks * group * sizeof(float));
+    CHECK(ws.tickets == bh * sizeof(unsigned));
     // Query fragments: per (sequence, KV head), 2 * head_dim / 16 loads of 16 bytes for each of 32 lanes.
     CHECK(ws.q == bh * 32 * (2 * head_dim / 16) * 16);
   }

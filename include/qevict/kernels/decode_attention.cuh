@@ -42,9 +42,10 @@
 // need no shuffling (the contraction order is free, as long as A and B agree).
 //
 // Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
-// sum(exp(s - m_ref)) scaled to the CTA's max; merge_kernel forms the log-sum-exp, the output and
-// each window's mass = sum over heads of that value * exp(m_chunk - LSE) / H_q, added to the score.
-// No per-token probability is written and K is read once.
+// sum(exp(s - m_ref)) scaled to the CTA's max. The last CTA of a (sequence, KV head) to finish
+// (a ticket per pair) forms the log-sum-exp, the output and each chunk's factor exp(m_chunk - LSE)
+// (merge_chunks); decode_mass_kernel then adds each window's mass = sum over heads of that value *
+// its chunk's factor / H_q to its score. No per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -277,6 +278,12 @@ struct decode_arguments {
   float* part_o = nullptr;
   float2* part_ml = nullptr;
   float* part_mass = nullptr;
+  /// [batch][kv_heads][max_chunks][group]: exp2(m_chunk - LSE) of each chunk and query head, written
+  /// by the CTA that merges a (sequence, KV head) for the window masses.
+  float* part_factor = nullptr;
+  /// [batch][kv_heads]: chunks of each (sequence, KV head) that have written their partials. Zero
+  /// before the first launch; every launch leaves them zero (the merging CTA resets its own).
+  unsigned* tickets = nullptr;
   /// [batch][kv_heads][2 * head_dim / 16][32 lanes] uint4: the query of each KV head's group as the
   /// decode kernel's lanes hold it (query_fragments), written by prepare_queries_kernel.
   uint4* q_fragments = nullptr;
@@ -296,7 +303,7 @@ inline constexpr int min_automatic_chunk = 64;
 /// Workspace sizes for `batch` sequences. Partial outputs are kept per chunk, window masses per
 /// item (whatever the chunk length).
 struct decode_workspace {
-  std::size_t o = 0, ml = 0, mass = 0, q = 0, table = 0;
+  std::size_t o = 0, ml = 0, mass = 0, factor = 0, tickets = 0, q = 0, table = 0;
   /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic), the
   /// most any automatic choice can give.
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
@@ -310,11 +317,13 @@ struct decode_workspace {
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
     w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
+    w.factor = bh * chunks * L.group * sizeof(float);
+    w.tickets = bh * sizeof(unsigned);  // must start zeroed
     w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
   }
-  std::size_t bytes() const { return o + ml + mass + q + table; }
+  std::size_t bytes() const { return o + ml + mass + factor + tickets + q + table; }
 };
 
 namespace detail {
@@ -1187,6 +1196,69 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
 
 /// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
 /// quantized (full_tier::quantized_as), 0 when they hold token rows.
+/// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
+/// each query head's log-sum-exp over the chunks, its output, and (EmitMass) each chunk's factor
+/// exp2(m_chunk - LSE) for the window masses (decode_mass_kernel). factor_s: n_chunks * group
+/// floats of shared memory (decode_attention checks that they fit). Partials are read from L2
+/// (ld.global.cg): other SMs wrote them.
+template <int D, bool EmitMass>
+__device__ __forceinline__ void merge_chunks(const decode_layout& L, const decode_arguments& A, int b, int h, int n_chunks,
+                                             float* factor_s) {
+  const int G = L.group;
+  const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
+  // Log-sum-exp: 16 lanes per head, each over every 16th chunk, so that the loads of all chunks
+  // are in flight at once; the chunk maxima wait in factor_s for their factors.
+  {
+    constexpr int span = 16;
+    const int hg = static_cast<int>(threadIdx.x) / span, sub = threadIdx.x & (span - 1);
+    const bool head = hg < G;
+    float M = -INFINITY, S = 0.f;  // running (max, sum of exp2(m - max) * l)
+    auto add = [&](float m, float l) {
+      if (m == -INFINITY) return;
+      if (m > M) {
+        S = S * exp2_sfu(M - m) + l;
+        M = m;
+      } else {
+        S += l * exp2_sfu(m - M);
+      }
+    };
+    if (head)
+      for (int c = sub; c < n_chunks; c += span) {
+        const float2 ml = __ldcg(A.part_ml + (row0 + c) * G + hg);
+        factor_s[c * G + hg] = ml.x;
+        add(ml.x, ml.y);
+      }
+#pragma unroll
+    for (int o = span / 2; o > 0; o >>= 1) {
+      const float m = __shfl_xor_sync(0xffffffffu, M, o), l = __shfl_xor_sync(0xffffffffu, S, o);
+      add(m, l);
+    }
+    const float lse = M + log2f(S);
+    if (head)
+      for (int c = sub; c < n_chunks; c += span) {
+        const float m = factor_s[c * G + hg];
+        const float f = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
+        factor_s[c * G + hg] = f;
+        if constexpr (EmitMass) A.part_factor[(row0 + c) * G + hg] = f;
+      }
+  }
+  __syncthreads();
+  // Output: four channels of one head per thread and step.
+  const float4* part = reinterpret_cast<const float4*>(A.part_o + row0 * G * D);
+  float4* out = reinterpret_cast<float4*>(A.out + (static_cast<std::size_t>(b) * L.kv_heads + h) * G * D);
+  for (int e = threadIdx.x; e < G * D / 4; e += blockDim.x) {
+    const int hg = e / (D / 4);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int c = 0; c < n_chunks; ++c) {
+      const float4 p = __ldcg(part + static_cast<std::size_t>(c) * G * D / 4 + e);
+      const float f = factor_s[c * G + hg];
+      acc.x += p.x * f, acc.y += p.y * f, acc.z += p.z * f, acc.w += p.w * f;
+    }
+    out[e] = acc;
+  }
+}
+
 template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits = 0,
           bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
@@ -1209,7 +1281,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int n_entries = A.entry_counts[list];
   const int n_items = items_of<W>(L, lane, n_entries);
   const int first_item = chunk * A.items_per_chunk;
-  if (first_item >= n_items) return;
+  // Chunk 0 always runs, so that every (sequence, KV head) is merged (to zeros if it has no items).
+  if (chunk > 0 && first_item >= n_items) return;
   const int chunk_items = min(A.items_per_chunk, n_items - first_item);
 
   const int lane_id = threadIdx.x & 31, warp_id = threadIdx.x >> 5;
@@ -1555,8 +1628,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   warp::cp_async_wait<0>();
   __syncwarp();
-  // The merge kernel may launch once every CTA is past its copies; it waits for this grid to end
-  // before it reads the partials.
+  // The mass kernel may launch once every CTA is past its copies; it waits for this grid to end
+  // before it reads the masses.
   grid::let_next_kernel_start();
 
   // Warp partials -> shared memory (the warp's own stages, now idle).
@@ -1617,113 +1690,89 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
     }
   }
+
+  // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
+  // once its partials are written, and the one that draws the last merges them, while the other
+  // CTAs of the grid still run; a separate merge kernel would wait for the whole grid, then load
+  // the partials in a chain of dependent round trips. A single chunk merges itself.
+  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
+  __shared__ bool merges_s;
+  __syncthreads();  // every thread's partials are written; the stages (o_of) are read
+  if (n_chunks > 1) {
+    if (threadIdx.x == 0) {
+      // Release (cumulative over the barrier above): this CTA's partials are visible to the CTA
+      // that draws the last ticket, which acquires them. Only that one fences after the ticket:
+      // an acquire also empties the SM's L1, under the CTAs that still run there.
+      unsigned drawn;
+      asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(A.tickets + bh) : "memory");
+      const bool last = drawn == static_cast<unsigned>(n_chunks - 1);
+      if (last) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
+        A.tickets[bh] = 0;  // for the next launch, which the stream orders after this one
+      }
+      merges_s = last;
+    }
+    __syncthreads();
+    if (!merges_s) return;
+  }
+  merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
-/// Log-sum-exp merge of the chunks; output and window mass. Grid: (x, batch).
-template <int D, bool EmitMass, class Scorer, int W>
-__global__ void __launch_bounds__(256) decode_merge_kernel(const decode_layout L, const decode_arguments A) {
-  extern __shared__ float merge_s[];  // [kv_heads] chunk counts (int), then [chunks][q_heads] factors
-  int* chunks_s = reinterpret_cast<int*>(merge_s);
-  float* factor_s = merge_s + L.kv_heads;  // exp2(m_chunk - LSE)
+/// Window masses of a launch with EmitMass, after the decode kernel has merged its chunks: each
+/// listed or recent window's mass is the sum over its unit's query heads of its items' values
+/// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads, and
+/// goes into its score. Grid: (x, batch), one thread per window.
+template <int W, class Scorer>
+__global__ void __launch_bounds__(256) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
   const int G = L.group, HQ = L.kv_heads * G;
-  // Chunks of each KV head: its unit's list decides its items.
-  for (int h = threadIdx.x; h < L.kv_heads; h += blockDim.x)
-    chunks_s[h] = (items_of<W>(L, lane, A.entry_counts[list_of(L, lane_index, h)]) + A.items_per_chunk - 1) / A.items_per_chunk;
-  grid::wait_for_previous_kernel();  // the decode kernel's partials (launch_dependent)
-  __syncthreads();
-  // Each query head's log-sum-exp over its chunks: a group of `span` lanes per head (the chunk
-  // count rounded up to a power of two, at most a warp), each lane over every span-th chunk, so
-  // that the loads of all chunks are in flight at once; one thread per head would wait out an L2
-  // round trip per chunk, twice, on the step's critical path. Every lane runs every round (its
-  // group's head may not exist), so that the shuffles see whole warps.
-  int span = 1;
-  while (span < 32 && span < A.max_chunks) span <<= 1;
-  const int sub = threadIdx.x & (span - 1), groups = blockDim.x / span;
-  for (int round = 0; round < HQ; round += groups) {
-    const int qh = round + static_cast<int>(threadIdx.x) / span;
-    const bool head = qh < HQ;
-    const int h = head ? qh / G : 0, hg = head ? qh % G : 0, n_chunks = head ? chunks_s[h] : 0;
-    const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
-    float M = -INFINITY, S = 0.f;  // running (max, sum of exp2(m - max) * l)
-    auto add = [&](float m, float l) {
-      if (m == -INFINITY) return;
-      if (m > M) {
-        S = S * exp2_sfu(M - m) + l;
-        M = m;
-      } else {
-        S += l * exp2_sfu(m - M);
-      }
-    };
-    for (int c = sub; c < n_chunks; c += span) {
-      const float2 ml = A.part_ml[(row0 + c) * G + hg];
-      add(ml.x, ml.y);
-    }
-    for (int o = span / 2; o > 0; o >>= 1) {
-      const float m = __shfl_xor_sync(0xffffffffu, M, o), l = __shfl_xor_sync(0xffffffffu, S, o);
-      add(m, l);
-    }
-    const float lse = M + log2f(S);
-    for (int c = sub; c < n_chunks; c += span) {
-      const float m = A.part_ml[(row0 + c) * G + hg].x;
-      factor_s[c * HQ + qh] = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
-    }
-  }
-  __syncthreads();
-
-  if constexpr (EmitMass) {
-    // Thread i takes the i-th listed or recent window of every unit: the sum of its items' values
-    // (W > 8: its parts; W < 8: its share of one item) over the unit's heads, added to its score
-    // once. A unit's mass is divided by its query heads, so that a step's masses of one unit sum
-    // to 1 (the host's rule; with per-layer selection, all query heads).
-    constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    const int started = windows_started(lane.tokens, L.sinks, W);
-    const int first_item = L.sinks > 0 ? 1 : 0;
-    const int hu = L.heads_per_unit;
-    window_record* table = reinterpret_cast<window_record*>(A.arena + lane.region);
-    for (int u = 0; u < L.units; ++u) {
-      const int list = lane_index * L.units + u;
-      const int n_entries = A.entry_counts[list];
-      if (i >= n_entries + (started - lane.aged)) continue;
-      const int n_items = items_of<W>(L, lane, n_entries);
-      const bool listed = i < n_entries;
-      const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
-      const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
-      if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
-      const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
-      const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
-      window_record& rec = table[w * L.units + u];
-      const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
-      // The unit's heads in order, each over its query heads (unrolled so that the loads of
-      // several heads are in flight together; the order of the additions is unchanged).
-      const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
-      float mass = 0.f;
-      for (int p = 0; p < P && item0 + p < n_items; ++p) {
-        const int li = item0 + p, c = li / A.items_per_chunk;
-        const float* pm = A.part_mass +
-                          (((static_cast<std::size_t>(b) * L.kv_heads + u * hu) * L.max_items + li) * S + j) * G;
-        const float* f = factor_s + c * HQ + u * hu * G;
+  // Thread i takes the i-th listed or recent window of every unit: the sum of its items' values
+  // (W > 8: its parts; W < 8: its share of one item) over the unit's heads, added to its score
+  // once. A unit's mass is divided by its query heads, so that a step's masses of one unit sum
+  // to 1 (the host's rule; with per-layer selection, all query heads).
+  constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int started = windows_started(lane.tokens, L.sinks, W);
+  const int first_item = L.sinks > 0 ? 1 : 0;
+  const int hu = L.heads_per_unit;
+  window_record* table = reinterpret_cast<window_record*>(A.arena + lane.region);
+  for (int u = 0; u < L.units; ++u) {
+    const int list = lane_index * L.units + u;
+    const int n_entries = A.entry_counts[list];
+    if (i >= n_entries + (started - lane.aged)) continue;
+    const int n_items = items_of<W>(L, lane, n_entries);
+    const bool listed = i < n_entries;
+    const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
+    const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
+    if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
+    const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
+    const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
+    window_record& rec = table[w * L.units + u];
+    const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
+    // Everything above is the routing state, which the decode kernel does not write; its masses
+    // and factors follow (launch_dependent).
+    grid::wait_for_previous_kernel();
+    // The unit's heads in order, each over its query heads (unrolled so that the loads of
+    // several heads are in flight together; the order of the additions is fixed).
+    const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
+    const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
+    float mass = 0.f;
+    for (int p = 0; p < P && item0 + p < n_items; ++p) {
+      const int li = item0 + p, c = li / A.items_per_chunk;
+      const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;
+      const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
+      const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
 #pragma unroll 8
-        for (int k = 0; k < hu; ++k) {
+      for (int k = 0; k < hu; ++k) {
 #pragma unroll
-          for (int hg = 0; hg < 8; ++hg)
-            if (hg < G) mass += pm[k * head_stride + hg] * f[k * G + hg];
-        }
+        for (int hg = 0; hg < 8; ++hg)
+          if (hg < G) mass += pm[k * head_stride + hg] * f[k * factor_stride + hg];
       }
-      mass /= static_cast<float>(HQ / L.units);
-      rec.score = Scorer::accumulate(score, mass);
     }
-  }
-
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < HQ * D; e += gridDim.x * blockDim.x) {
-    const int qh = e / D, c = e % D, h = qh / G, hg = qh % G, n_chunks = chunks_s[h];
-    const std::size_t row0 = (static_cast<std::size_t>(b) * L.kv_heads + h) * A.max_chunks;
-    float acc = 0.f;
-    for (int ch = 0; ch < n_chunks; ++ch) acc += A.part_o[((row0 + ch) * G + hg) * D + c] * factor_s[ch * HQ + qh];
-    A.out[static_cast<std::size_t>(b) * HQ * D + e] = acc;
+    mass /= static_cast<float>(HQ / L.units);
+    rec.score = Scorer::accumulate(score, mass);
   }
 }
 
@@ -1798,6 +1847,9 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
   qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
   qevict::detail::require(chunks <= 65535, "decode_attention: more than 65535 chunks a lane (raise items_per_chunk)");
+  // The CTA that merges a (sequence, KV head) keeps a factor per chunk and query head in its stages.
+  qevict::detail::require(static_cast<std::size_t>(chunks) * L.group * sizeof(float) <= detail::dynamic_smem_bytes<D> - detail::stage_alignment,
+                          "decode_attention: too many chunks to merge in one CTA (raise items_per_chunk)");
   detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>>
       <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), 128, 0, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
@@ -1805,18 +1857,14 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // at batch 1 and short contexts the launch gaps are a good part of the step.
   const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
   launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
-  const int hq = L.kv_heads * L.group;
-  // Enough threads for every window of the longest lane (max_items items hold at most
-  // max_items * 8 / W windows for W < 8) and a quarter of the output elements each.
-  const int max_windows = max_items * item_count::windows_per_item(W);
-  const int blocks_x = std::max((max_windows + 255) / 256, (hq * D + 255 * 4) / (256 * 4));
-  const std::size_t smem = (static_cast<std::size_t>(chunks) * hq + L.kv_heads) * sizeof(float);
-  qevict::detail::require(smem <= 200 * 1024, "decode_attention: too many chunks for the merge (raise items_per_chunk)");
-  if (smem > 48 * 1024)
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_dependent("decode_merge_kernel", detail::decode_merge_kernel<D, EmitMass, Scorer, W>,
-                   dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(a.batch)), dim3(256), smem, stream, L, a);
+  if constexpr (EmitMass) {
+    // One thread for every window of the longest lane (max_items items hold at most
+    // max_items * 8 / W windows for W < 8).
+    const int max_windows = max_items * item_count::windows_per_item(W);
+    launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer>,
+                     dim3(static_cast<unsigned>((max_windows + 255) / 256), static_cast<unsigned>(a.batch)), dim3(256), 0,
+                     stream, L, a);
+  }
 }
 
 /// Runtime dispatch over head_dim, element type and key frame; the window size W and the code widths

@@ -225,6 +225,9 @@ class cuda_cache {
     part_o_ = alloc<float>(ws.o / sizeof(float));
     part_ml_ = alloc<float2>(ws.ml / sizeof(float2));
     part_mass_ = alloc<float>(ws.mass / sizeof(float));
+    part_factor_ = alloc<float>(ws.factor / sizeof(float));
+    tickets_ = alloc<unsigned>(ws.tickets / sizeof(unsigned));
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, ws.tickets, set_.stream));
     q_fragments_ = alloc<uint4>(ws.q / sizeof(uint4));
     cs_table_ = alloc<float2>(ws.table / sizeof(float2));
     mirrors_.resize(lanes_total_);
@@ -367,6 +370,8 @@ class cuda_cache {
     a.part_o = part_o_;
     a.part_ml = part_ml_;
     a.part_mass = part_mass_;
+    a.part_factor = part_factor_;
+    a.tickets = tickets_;
     a.q_fragments = q_fragments_;
     a.cs_table = cs_table_;
     a.items_per_chunk = set_.items_per_chunk;
@@ -654,7 +659,8 @@ class cuda_cache {
   kernels::cache_pointers S_{};
   bool owned_arena_ = false;
   std::vector<void*> allocations_;
-  float *part_o_ = nullptr, *part_mass_ = nullptr;
+  float *part_o_ = nullptr, *part_mass_ = nullptr, *part_factor_ = nullptr;
+  unsigned* tickets_ = nullptr;
   uint4* q_fragments_ = nullptr;
   float2 *part_ml_ = nullptr, *cs_table_ = nullptr;
   mutable std::vector<mirror> mirrors_;
