@@ -120,15 +120,21 @@ __global__ void scan_finite_kernel(const float* x, std::size_t n, device_error* 
     if (!check_finite(x, i, e, call, input)) return;
 }
 
-/// Rotates the pair (x0, x1) by +angle (sign 1) or -angle (sign -1) exactly as rope::rotary
-/// does on the host: cos/sin and both products in double, no fused multiply-add, then float.
-__device__ __forceinline__ void rotate_pair(float& x0, float& x1, long long position, double inv_freq, int sign) {
-  double c, s;
-  thread::rope_cos_sin(position, inv_freq, c, s);
+/// Rotates the pair (x0, x1) by the angle whose cosine and sine are (c, s) (sign 1) or by its
+/// negative (sign -1) exactly as rope::rotary does on the host: both products in double, no fused
+/// multiply-add, then float.
+__device__ __forceinline__ void rotate_pair(float& x0, float& x1, double c, double s, int sign) {
   if (sign < 0) s = -s;
   const double a = x0, b = x1;
   x0 = static_cast<float>(__dsub_rn(__dmul_rn(a, c), __dmul_rn(b, s)));
   x1 = static_cast<float>(__dadd_rn(__dmul_rn(a, s), __dmul_rn(b, c)));
+}
+
+/// The same by the angle position * inv_freq, its cosine and sine in double as on the host.
+__device__ __forceinline__ void rotate_pair(float& x0, float& x1, long long position, double inv_freq, int sign) {
+  double c, s;
+  thread::rope_cos_sin(position, inv_freq, c, s);
+  rotate_pair(x0, x1, c, s, sign);
 }
 
 __device__ __forceinline__ void pair_members(rope_layout layout, int head_dim, int i, int& a, int& b) {

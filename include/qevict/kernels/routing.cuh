@@ -523,11 +523,25 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
   if (keys && active) {
     // Keys in the record's key frame, one group per channel across the window's tokens.
     float kx[W][4];
+    // Each worker rotates two rotary pairs (below); their cosines and sines, in double, are formed
+    // once per distinct rotation: once per token for keys stored before RoPE, once per window for
+    // window-relative keys (every token rotated back by the window's start).
+    const bool low = worker < D / 8;  // with rotate-half pairs: holds channels below D/2
+    auto pair_of = [&](int k) {       // the worker's k-th pair (k = 0, 1)
+      return layout == rope_layout::interleaved ? 2 * worker + k : 4 * (low ? worker : worker - D / 8) + (low ? k : k + 2);
+    };
+    [[maybe_unused]] long long rotation = 0;
+    [[maybe_unused]] double cs[2][2];  // [pair][cos, sin] of `rotation`
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       // The record's frame: rotated back by what attention will rotate the key by.
       const long long pos = Q::key_frame::read_rotation(window_start, window_start + j);
       if constexpr (Rotates) {
+        if (j == 0 || pos != rotation) {  // folds away for either frame once W is unrolled
+          rotation = pos;
+#pragma unroll
+          for (int k = 0; k < 2; ++k) thread::rope_cos_sin(pos, inv_freq[pair_of(k)], cs[k][0], cs[k][1]);
+        }
         // Each rotary pair once per warp (its double-precision angle is most of the work): with
         // interleaved pairs a worker holds both members of its two pairs; with rotate-half pairs
         // channel c < D/2 sits in worker c/4 and its partner c + D/2 in worker c/4 + D/8, so each of
@@ -535,27 +549,26 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
         if (layout == rope_layout::interleaved) {
 #pragma unroll
           for (int m = 0; m < 4; m += 2) {  // pair i = worker * 2 + m / 2: channels 4 * worker + m, + 1
-            const int i = 2 * worker + m / 2;
+            const int i = pair_of(m / 2);
             int a, b;
             pair_members(layout, D, i, a, b);
             float x0, x1;
             rd.key_pair(w, j, h, i, a, b, x0, x1);
-            rotate_pair(x0, x1, pos, inv_freq[i], -1);
+            rotate_pair(x0, x1, cs[m / 2][0], cs[m / 2][1], -1);
             kx[j][m] = x0;
             kx[j][m + 1] = x1;
           }
         } else {
-          const bool low = worker < D / 8;  // holds channels below D/2
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
             // This worker rotates the pair of its slot t (low) or t + 2 (high); slot s of worker k
             // and slot s of worker k + D/8 are the two members of pair 4k + s (k < D/8).
-            const int i = 4 * (low ? worker : worker - D / 8) + (low ? t : t + 2);
+            const int i = pair_of(t);
             int a, b;
             pair_members(layout, D, i, a, b);
             float x0, x1;  // channels i and i + D/2
             rd.key_pair(w, j, h, i, a, b, x0, x1);
-            rotate_pair(x0, x1, pos, inv_freq[i], -1);
+            rotate_pair(x0, x1, cs[t][0], cs[t][1], -1);
             const float partner = __shfl_xor_sync(active_lanes, low ? x1 : x0, D / 8);
             kx[j][t] = low ? x0 : partner;
             kx[j][t + 2] = low ? partner : x1;
