@@ -70,11 +70,9 @@ struct decode_state {
   kernels::window_entry* entries = nullptr;
   int* entry_counts = nullptr;
   int* batch_lanes = nullptr;
-  float *q = nullptr, *out = nullptr, *part_o = nullptr, *part_mass = nullptr, *part_factor = nullptr;
-  float2* part_ml = nullptr;
-  unsigned* tickets = nullptr;  // zeroed once (kernels::decode_arguments::tickets)
-  uint4* q_fragments = nullptr;
-  float2* cs_table = nullptr;
+  float *q = nullptr, *out = nullptr;
+  kernels::decode_workspace workspace;
+  std::byte* workspace_block = nullptr;  // zeroed once (decode_workspace::bind)
   double* inv_freq = nullptr;
   int batch = 0, max_items = 0, items_per_chunk = 0;  // 0: the launch chooses (kernels::decode_chunk)
   std::size_t bytes_read = 0;  ///< KV bytes one decode step reads
@@ -83,14 +81,15 @@ struct decode_state {
   kernels::decode_arguments arguments() const {
     kernels::decode_arguments a;
     a.arena = arena; a.lanes = lanes; a.entries = entries; a.entry_counts = entry_counts; a.batch_lanes = batch_lanes; a.batch = batch;
-    a.q = q; a.out = out; a.inv_freq = inv_freq; a.part_o = part_o; a.part_ml = part_ml; a.part_mass = part_mass; a.part_factor = part_factor; a.tickets = tickets; a.q_fragments = q_fragments; a.cs_table = cs_table;
+    a.q = q; a.out = out; a.inv_freq = inv_freq;
+    workspace.bind(workspace_block, a);
     a.items_per_chunk = items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(layout, items_per_chunk);
     return a;
   }
   void release() {
     cudaFree(arena); cudaFree(lanes); cudaFree(entries); cudaFree(entry_counts); cudaFree(batch_lanes); cudaFree(q); cudaFree(out);
-    cudaFree(part_o); cudaFree(part_ml); cudaFree(part_mass); cudaFree(part_factor); cudaFree(tickets); cudaFree(q_fragments); cudaFree(cs_table); cudaFree(inv_freq);
+    cudaFree(workspace_block); cudaFree(inv_freq);
   }
 };
 
@@ -178,14 +177,9 @@ decode_state make_state(const geometry& g, int batch, int context, double fracti
   QEVICT_CUDA_CHECK(cudaMalloc(&s.inv_freq, inv.size() * sizeof(double)));
   QEVICT_CUDA_CHECK(cudaMemcpy(s.inv_freq, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice));
   const auto ws = kernels::decode_workspace::sizes(s.layout, batch, items_per_chunk);
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.part_o, ws.o));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.part_ml, ws.ml));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.part_mass, ws.mass));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.part_factor, ws.factor));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.tickets, ws.tickets));
-  QEVICT_CUDA_CHECK(cudaMemset(s.tickets, 0, ws.tickets));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.q_fragments, ws.q));
-  QEVICT_CUDA_CHECK(cudaMalloc(&s.cs_table, ws.table));
+  s.workspace = ws;
+  QEVICT_CUDA_CHECK(cudaMalloc(&s.workspace_block, ws.bytes()));
+  QEVICT_CUDA_CHECK(cudaMemset(s.workspace_block, 0, ws.bytes()));
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
   return s;
 }

@@ -162,13 +162,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   device_buffer<double> d_inv(inv);
   const int ipc = spec.items_per_chunk;
   const auto ws = kernels::decode_workspace::sizes(L, spec.batch, ipc);
-  device_buffer<float> d_o(ws.o / sizeof(float));
-  device_buffer<float2> d_ml(ws.ml / sizeof(float2));
-  device_buffer<float> d_mass(ws.mass / sizeof(float));
-  device_buffer<float> d_factor(ws.factor / sizeof(float));
-  device_buffer<unsigned> d_tickets(std::vector<unsigned>(ws.tickets / sizeof(unsigned), 0u));
-  device_buffer<uint4> d_qf(ws.q / sizeof(uint4));
-  device_buffer<float2> d_table(ws.table / sizeof(float2));
+  device_buffer<std::byte> d_workspace(ws.bytes());
+  QEVICT_CUDA_CHECK(cudaMemset(d_workspace.ptr, 0, ws.bytes()));
   kernels::decode_arguments a;
   a.arena = d_arena.ptr;
   a.lanes = d_lanes.ptr;
@@ -179,13 +174,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   a.q = d_q.ptr;
   a.out = d_out.ptr;
   a.inv_freq = d_inv.ptr;
-  a.part_o = d_o.ptr;
-  a.part_ml = d_ml.ptr;
-  a.part_mass = d_mass.ptr;
-  a.part_factor = d_factor.ptr;
-  a.tickets = d_tickets.ptr;
-  a.q_fragments = d_qf.ptr;
-  a.cs_table = d_table.ptr;
+  ws.bind(d_workspace.ptr, a);
   a.items_per_chunk = ipc;
   a.max_chunks = kernels::decode_workspace::chunks_for(L, ipc);
   kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
@@ -195,7 +184,9 @@ void run_case(const case_spec& spec, unsigned seed) {
   // The CTA that merges a (sequence, KV head) set its ticket back to zero: a second launch on the
   // same workspace merges the same chunks in the same order (it adds the masses to the scores
   // again, which the check below does not read).
-  REQUIRE(d_tickets.download() == std::vector<unsigned>(d_tickets.n, 0u));
+  std::vector<unsigned> tickets(ws.tickets / sizeof(unsigned), 1u);
+  QEVICT_CUDA_CHECK(cudaMemcpy(tickets.data(), a.tickets, ws.tickets, cudaMemcpyDeviceToHost));
+  REQUIRE(tickets == std::vector<unsigned>(tickets.size(), 0u));
   kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
   CHECK(d_out.download() == out);

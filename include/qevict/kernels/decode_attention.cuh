@@ -323,7 +323,30 @@ struct decode_workspace {
     w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
     return w;
   }
-  std::size_t bytes() const { return o + ml + mass + factor + tickets + q + table; }
+  /// Bytes of one device block that holds every part, each from a 256-byte boundary (bind).
+  std::size_t bytes() const {
+    return aligned(o) + aligned(ml) + aligned(mass) + aligned(factor) + aligned(tickets) + aligned(q) + aligned(table);
+  }
+  /// Points a's workspace (part_o to cs_table) into `block`: bytes() bytes of device memory, from a
+  /// 256-byte boundary, zeroed once before the first launch (the tickets must start at zero, and
+  /// every launch leaves them so).
+  void bind(void* block, decode_arguments& a) const {
+    auto* at = static_cast<std::byte*>(block);
+    auto take = [&](auto*& part, std::size_t n) {
+      part = reinterpret_cast<std::remove_reference_t<decltype(part)>>(at);
+      at += aligned(n);
+    };
+    take(a.part_o, o);
+    take(a.part_ml, ml);
+    take(a.part_mass, mass);
+    take(a.part_factor, factor);
+    take(a.tickets, tickets);
+    take(a.q_fragments, q);
+    take(a.cs_table, table);
+  }
+
+ private:
+  static std::size_t aligned(std::size_t n) { return (n + 255) / 256 * 256; }
 };
 
 namespace detail {
@@ -1758,10 +1781,10 @@ __global__ void __launch_bounds__(256) decode_mass_kernel(const decode_layout L,
     // several heads are in flight together; the order of the additions is fixed).
     const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
     const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
+    const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
     float mass = 0.f;
     for (int p = 0; p < P && item0 + p < n_items; ++p) {
       const int li = item0 + p, c = li / A.items_per_chunk;
-      const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;
       const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
       const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
 #pragma unroll 8

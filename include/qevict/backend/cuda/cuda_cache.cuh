@@ -222,14 +222,9 @@ class cuda_cache {
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.attend_counts, 0, lists * sizeof(int), set_.stream));
     // Decode workspace for a whole batch.
     const auto ws = kernels::decode_workspace::sizes(params_[0].L, lim.max_batch, set_.items_per_chunk);  // the same max_items for all layers
-    part_o_ = alloc<float>(ws.o / sizeof(float));
-    part_ml_ = alloc<float2>(ws.ml / sizeof(float2));
-    part_mass_ = alloc<float>(ws.mass / sizeof(float));
-    part_factor_ = alloc<float>(ws.factor / sizeof(float));
-    tickets_ = alloc<unsigned>(ws.tickets / sizeof(unsigned));
-    QEVICT_CUDA_CHECK(cudaMemsetAsync(tickets_, 0, ws.tickets, set_.stream));
-    q_fragments_ = alloc<uint4>(ws.q / sizeof(uint4));
-    cs_table_ = alloc<float2>(ws.table / sizeof(float2));
+    workspace_ = ws;
+    workspace_block_ = alloc<std::byte>(ws.bytes());
+    QEVICT_CUDA_CHECK(cudaMemsetAsync(workspace_block_, 0, ws.bytes(), set_.stream));
     mirrors_.resize(lanes_total_);
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
   }
@@ -367,13 +362,7 @@ class cuda_cache {
     a.q = q;
     a.out = out;
     a.inv_freq = S_.inv_freq;
-    a.part_o = part_o_;
-    a.part_ml = part_ml_;
-    a.part_mass = part_mass_;
-    a.part_factor = part_factor_;
-    a.tickets = tickets_;
-    a.q_fragments = q_fragments_;
-    a.cs_table = cs_table_;
+    workspace_.bind(workspace_block_, a);
     a.items_per_chunk = set_.items_per_chunk;
     a.max_chunks = kernels::decode_workspace::chunks_for(P.L, set_.items_per_chunk);
     kernels::decode_attention<true, scorer, W::size, quantizer::bits, full_bits>(geo_.element, P.L, a, max_items, set_.stream);
@@ -659,10 +648,8 @@ class cuda_cache {
   kernels::cache_pointers S_{};
   bool owned_arena_ = false;
   std::vector<void*> allocations_;
-  float *part_o_ = nullptr, *part_mass_ = nullptr, *part_factor_ = nullptr;
-  unsigned* tickets_ = nullptr;
-  uint4* q_fragments_ = nullptr;
-  float2 *part_ml_ = nullptr, *cs_table_ = nullptr;
+  kernels::decode_workspace workspace_;  // the decode kernel's, in one block
+  std::byte* workspace_block_ = nullptr;
   mutable std::vector<mirror> mirrors_;
   sequence_slots sequences_;
   mutable std::vector<std::uint8_t> record_copy_;
