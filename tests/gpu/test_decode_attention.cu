@@ -182,14 +182,16 @@ void run_case(const case_spec& spec, unsigned seed) {
   const std::vector<float> out = d_out.download();
   const std::vector<std::byte> arena_after = d_arena.download();
   // The CTA that merges a (sequence, KV head) set its ticket back to zero: a second launch on the
-  // same workspace merges the same chunks in the same order (it adds the masses to the scores
-  // again, which the check below does not read).
+  // same workspace, from the same scores, merges the same chunks in the same order whichever CTA
+  // comes last, and adds the same masses.
   std::vector<unsigned> tickets(ws.tickets / sizeof(unsigned), 1u);
   QEVICT_CUDA_CHECK(cudaMemcpy(tickets.data(), a.tickets, ws.tickets, cudaMemcpyDeviceToHost));
   REQUIRE(tickets == std::vector<unsigned>(tickets.size(), 0u));
+  d_arena.upload(built.arena);
   kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
   CHECK(d_out.download() == out);
+  CHECK(d_arena.download() == arena_after);
 
   // Output: relative L2 error of every head's vector.
   double worst = 0.0;

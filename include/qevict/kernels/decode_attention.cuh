@@ -1741,12 +1741,17 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
+/// Threads per CTA of the window-mass kernel. Its threads hold 4 heads' values and factors at once
+/// (about 90 registers): at 128 threads a CTA, five CTAs fit on an SM, and every CTA of a 32-sequence
+/// step at 32K tokens is resident at once.
+constexpr int mass_threads = 128;
+
 /// Window masses of a launch with EmitMass, after the decode kernel has merged its chunks: each
 /// listed or recent window's mass is the sum over its unit's query heads of its items' values
 /// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads, and
 /// goes into its score. Grid: (x, batch), one thread per window.
 template <int W, class Scorer>
-__global__ void __launch_bounds__(256) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
+__global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
@@ -1777,21 +1782,48 @@ __global__ void __launch_bounds__(256) decode_mass_kernel(const decode_layout L,
     // Everything above is the routing state, which the decode kernel does not write; its masses
     // and factors follow (launch_dependent).
     grid::wait_for_previous_kernel();
-    // The unit's heads in order, each over its query heads (unrolled so that the loads of
-    // several heads are in flight together; the order of the additions is fixed).
+    // The unit's heads in order, each over its query heads, in a fixed order of additions. The
+    // values and factors of 4 heads are loaded into registers of their own before the first
+    // addition, so that all their loads are in flight at once (a register that the next load
+    // reused would wait for the addition, and so for the load before it); a group of 4 or 8 query
+    // heads is loaded in 16-byte pieces.
     const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
     const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
     const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
+    const bool whole_pieces = G % 4 == 0;
     float mass = 0.f;
     for (int p = 0; p < P && item0 + p < n_items; ++p) {
       const int li = item0 + p, c = li / A.items_per_chunk;
       const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
       const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
-#pragma unroll 8
-      for (int k = 0; k < hu; ++k) {
+      for (int k0 = 0; k0 < hu; k0 += 4) {
+        float v[4][8], w[4][8];
 #pragma unroll
-        for (int hg = 0; hg < 8; ++hg)
-          if (hg < G) mass += pm[k * head_stride + hg] * f[k * factor_stride + hg];
+        for (int k = 0; k < 4; ++k) {
+          if (k0 + k >= hu) break;
+          const float* vk = pm + (k0 + k) * head_stride;
+          const float* wk = f + (k0 + k) * factor_stride;
+          if (whole_pieces) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+              if (4 * q < G) {
+                const float4 a = *reinterpret_cast<const float4*>(vk + 4 * q), e = *reinterpret_cast<const float4*>(wk + 4 * q);
+                v[k][4 * q] = a.x, v[k][4 * q + 1] = a.y, v[k][4 * q + 2] = a.z, v[k][4 * q + 3] = a.w;
+                w[k][4 * q] = e.x, w[k][4 * q + 1] = e.y, w[k][4 * q + 2] = e.z, w[k][4 * q + 3] = e.w;
+              }
+          } else {
+#pragma unroll
+            for (int hg = 0; hg < 8; ++hg)
+              if (hg < G) v[k][hg] = vk[hg], w[k][hg] = wk[hg];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k0 + k >= hu) break;
+#pragma unroll
+          for (int hg = 0; hg < 8; ++hg)
+            if (hg < G) mass += v[k][hg] * w[k][hg];
+        }
       }
     }
     mass /= static_cast<float>(HQ / L.units);
@@ -1885,7 +1917,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     // max_items * 8 / W windows for W < 8).
     const int max_windows = max_items * item_count::windows_per_item(W);
     launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer>,
-                     dim3(static_cast<unsigned>((max_windows + 255) / 256), static_cast<unsigned>(a.batch)), dim3(256), 0,
+                     dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
+                     dim3(detail::mass_threads), 0,
                      stream, L, a);
   }
 }
