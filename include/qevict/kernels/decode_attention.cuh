@@ -1339,15 +1339,17 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
   }
 
-  // Everything above reads what the kernels before prepare_queries_kernel wrote; the query
-  // fragments are its output (launch_dependent).
-  grid::wait_for_previous_kernel();
   // The query of head g (query_fragments): qa for token rows (and records dequantized in fp32),
   // qf for records used as stored, qr for window-relative records (rotated per window into qf).
   std::uint32_t qa[D / 16][4];
   std::uint32_t qf[D / 16][4];
   float qr[QueryPerWindow ? D / 16 : 1][4];
-  {
+  // The query fragments and the e^{i j f} table are prepare_queries_kernel's output
+  // (launch_dependent); everything else this kernel reads was written before that kernel started.
+  // Each loop below waits for it once its first pairs' copies are in flight, so that those copies
+  // overlap the end of that kernel.
+  auto load_query = [&] {
+    grid::wait_for_previous_kernel();
     const uint4* frag = A.q_fragments + (static_cast<std::size_t>(b) * L.kv_heads + h) * (2 * D / 16) * 32 + lane_id;
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
@@ -1362,7 +1364,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
       }
     }
-  }
+  };
   // Chunks whose items (an even number) are all ledger records take the records' own loop.
   constexpr bool RecordLoop = Fp16Records && W == 8 && FullBits == 0;
   const bool records_only = RecordLoop ? __syncthreads_and(described_records) != 0 : (__syncthreads(), false);
@@ -1514,6 +1516,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       };
 #pragma unroll
       for (int k = 0; k < RS - 1; ++k) issue(k);
+      load_query();
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
         const int li_a = 2 * (warp_id + k * warps_per_cta);
@@ -1576,6 +1579,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     };
 #pragma unroll
     for (int k = 0; k < stages - 1; ++k) issue(k);
+    load_query();
 
     for (int k = 0; k < my_pairs; ++k) {
       issue(k + stages - 1);
