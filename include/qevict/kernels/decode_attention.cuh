@@ -1217,8 +1217,6 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
   return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
 }
 
-/// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
-/// quantized (full_tier::quantized_as), 0 when they hold token rows.
 /// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
 /// each query head's log-sum-exp over the chunks, its output, and (EmitMass) each chunk's factor
 /// exp2(m_chunk - LSE) for the window masses (decode_mass_kernel). factor_s: n_chunks * group
@@ -1282,6 +1280,8 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
   }
 }
 
+/// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
+/// quantized (full_tier::quantized_as), 0 when they hold token rows.
 template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits = 0,
           bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
