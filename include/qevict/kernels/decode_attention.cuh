@@ -1144,38 +1144,65 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
   }
 }
 
+/// Threads of a prepare_queries_kernel block.
+constexpr int prepare_threads = 128;
+
 /// One block per (sequence, KV head): the group's queries rotated to their position and scaled by
 /// log2(e)/sqrt(D), turned into the lanes' fragments (query_fragments) once, so that the decode
 /// kernel's CTAs (one per chunk) only load them; and e^{i j f_p} for j < 8.
 template <int D, bool Bf16, record_query RecordQuery>
-__global__ void __launch_bounds__(128) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
+__global__ void __launch_bounds__(prepare_threads) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
   // The decode kernel's CTAs may start now: they describe their items until they need the query.
   grid::let_next_kernel_start();
   const int b = blockIdx.x, h = blockIdx.y;
-  const lane_state lane = A.lanes[A.batch_lanes[b]];
-  const long long position = lane.first_position + lane.tokens - 1;
   const int G = L.group;
   const float scale = log2e * rsqrtf(static_cast<float>(D));
-  // Every query head turns by the same D/2 angles: each is computed once per block (a
-  // double-precision reduction and sincosf) rather than once per head.
   __shared__ float2 cs_s[D / 2];
   __shared__ float q_s[8][D];  // the group, rotated and scaled
-  for (int p = threadIdx.x; p < D / 2; p += blockDim.x) {
-    float c, s;
-    thread::rope_cos_sin(position, A.inv_freq[p], c, s);
-    cs_s[p] = make_float2(c, s);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < G * (D / 2); e += blockDim.x) {
-    const int hg = e / (D / 2), p = e % (D / 2);
-    int ia, ib;
+  // This kernel is on every decode step's critical path (the decode kernel waits for all of it):
+  // the loads that need nothing else go out first and together, the group's queries with the
+  // inverse frequencies and the lane's position (two dependent loads), so that the block waits
+  // for memory about twice instead of three times. Thread i takes the group's pairs i,
+  // i + blockDim.x, ... (pair e: head e / (D/2), frequency e % (D/2)).
+  static_assert(D / 2 <= prepare_threads, "prepare_queries_kernel: one thread per rotation angle");
+  constexpr int max_pairs = 8 * (D / 2) / prepare_threads;  // per thread, for a group of 8 heads
+  float2 x[max_pairs];
+  const float* q = A.q + (static_cast<std::size_t>(b) * L.kv_heads + h) * G * D;
+  auto channels = [&](int p, int& ia, int& ib) {
     if (L.layout == rope_layout::interleaved) { ia = 2 * p; ib = 2 * p + 1; }
     else { ia = p; ib = p + D / 2; }
-    const float* q = A.q + ((static_cast<std::size_t>(b) * L.kv_heads + h) * G + hg) * D;
-    const float c = cs_s[p].x, s = cs_s[p].y;
-    const float x0 = q[ia], x1 = q[ib];
-    q_s[hg][ia] = (x0 * c - x1 * s) * scale;
-    q_s[hg][ib] = (x0 * s + x1 * c) * scale;
+  };
+#pragma unroll
+  for (int k = 0; k < max_pairs; ++k) {
+    const int e = threadIdx.x + k * prepare_threads;
+    if (e < G * (D / 2)) {
+      int ia, ib;
+      channels(e % (D / 2), ia, ib);
+      x[k] = make_float2(q[(e / (D / 2)) * D + ia], q[(e / (D / 2)) * D + ib]);
+    }
+  }
+  const double inv_freq = threadIdx.x < D / 2 ? A.inv_freq[threadIdx.x] : 0.0;
+  const lane_state lane = A.lanes[A.batch_lanes[b]];
+  const long long position = lane.first_position + lane.tokens - 1;
+  // Every query head turns by the same D/2 angles: each is computed once per block (a
+  // double-precision reduction and sincosf) rather than once per head.
+  if (threadIdx.x < D / 2) {
+    float c, s;
+    thread::rope_cos_sin(position, inv_freq, c, s);
+    cs_s[threadIdx.x] = make_float2(c, s);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < max_pairs; ++k) {
+    const int e = threadIdx.x + k * prepare_threads;
+    if (e < G * (D / 2)) {
+      const int hg = e / (D / 2), p = e % (D / 2);
+      int ia, ib;
+      channels(p, ia, ib);
+      const float c = cs_s[p].x, s = cs_s[p].y;
+      q_s[hg][ia] = (x[k].x * c - x[k].y * s) * scale;
+      q_s[hg][ib] = (x[k].x * s + x[k].y * c) * scale;
+    }
   }
   __syncthreads();
   // [load j][lane]: each of the kernel's loads reads 512 contiguous bytes.
@@ -1911,7 +1938,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   qevict::detail::require(static_cast<std::size_t>(chunks) * L.group * sizeof(float) <= detail::dynamic_smem_bytes<D> - detail::stage_alignment,
                           "decode_attention: too many chunks to merge in one CTA (raise items_per_chunk)");
   detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>>
-      <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), 128, 0, stream>>>(L, a);
+      <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
   QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
   // The kernel and the merge start while the kernel before them ends (kernels/dependent_launch.cuh):
   // at batch 1 and short contexts the launch gaps are a good part of the step.
