@@ -61,6 +61,7 @@
 #include "qevict/kernels/dependent_launch.cuh"
 #include "qevict/kernels/rope.cuh"
 #include "qevict/kernels/warp_mma.cuh"
+#include "qevict/policies/rope.hpp"
 
 /// Resident CTAs per SM the decode kernel is compiled for (registers per thread follow from it).
 #ifndef QEVICT_DECODE_MIN_BLOCKS
@@ -1163,21 +1164,17 @@ __global__ void __launch_bounds__(prepare_threads) prepare_queries_kernel(const 
   // the loads that need nothing else go out first and together, the group's queries with the
   // inverse frequencies and the lane's position (two dependent loads), so that the block waits
   // for memory about twice instead of three times. Thread i takes the group's pairs i,
-  // i + blockDim.x, ... (pair e: head e / (D/2), frequency e % (D/2)).
+  // i + prepare_threads, ... (pair e: head e / (D/2), rotary pair e % (D/2)).
   static_assert(D / 2 <= prepare_threads, "prepare_queries_kernel: one thread per rotation angle");
   constexpr int max_pairs = 8 * (D / 2) / prepare_threads;  // per thread, for a group of 8 heads
   float2 x[max_pairs];
   const float* q = A.q + (static_cast<std::size_t>(b) * L.kv_heads + h) * G * D;
-  auto channels = [&](int p, int& ia, int& ib) {
-    if (L.layout == rope_layout::interleaved) { ia = 2 * p; ib = 2 * p + 1; }
-    else { ia = p; ib = p + D / 2; }
-  };
 #pragma unroll
   for (int k = 0; k < max_pairs; ++k) {
     const int e = threadIdx.x + k * prepare_threads;
     if (e < G * (D / 2)) {
       int ia, ib;
-      channels(e % (D / 2), ia, ib);
+      ::qevict::rope::rotary::pair(L.layout, D, e % (D / 2), ia, ib);
       x[k] = make_float2(q[(e / (D / 2)) * D + ia], q[(e / (D / 2)) * D + ib]);
     }
   }
@@ -1198,7 +1195,7 @@ __global__ void __launch_bounds__(prepare_threads) prepare_queries_kernel(const 
     if (e < G * (D / 2)) {
       const int hg = e / (D / 2), p = e % (D / 2);
       int ia, ib;
-      channels(p, ia, ib);
+      ::qevict::rope::rotary::pair(L.layout, D, p, ia, ib);
       const float c = cs_s[p].x, s = cs_s[p].y;
       q_s[hg][ia] = (x[k].x * c - x[k].y * s) * scale;
       q_s[hg][ib] = (x[k].x * s + x[k].y * c) * scale;
