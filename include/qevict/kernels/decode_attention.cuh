@@ -17,9 +17,11 @@
 // each of its four warps takes two items at a time and streams its own items through shared
 // memory: 16-byte cp.async copies (zero-filled where a token does not exist) into XOR-swizzled
 // rows (token_row_chunk), `stages` item pairs per warp, so that the next pair is in flight while
-// one is computed. A chunk whose items are all ledger records (routing lists the Full windows
-// first, so most chunks are) takes a loop of its own with compact record slots, up to four pairs
-// per warp in flight or in use (record_slots).
+// one is computed. Pairs of two ledger records take a loop of their own with compact record
+// slots, up to four pairs per warp in flight or in use (record_slots): routing lists the Full
+// windows first, so most chunks hold records only, and in the others the run of record pairs
+// takes that loop after the general loop has served the sink group, the Full windows and the
+// recent items.
 //
 // Tensor cores (mma.m16n8k16, the cache's 16-bit type in — bf16 or fp16 — fp32 accumulate):
 //   S = Q K^T per item:  A = the group's queries (rows 0-7: high part, rows 8-15: the low part,
@@ -382,6 +384,22 @@ __device__ __forceinline__ float log2_sfu(float x) {
   return y;
 }
 
+/// The first run of set bits in the 128-bit mask m (word 0 lowest): [x, y), or [0, 0) if no bit is
+/// set.
+__device__ __forceinline__ int2 first_run_of_ones(const std::uint32_t (&m)[4]) {
+  const unsigned long long lo = m[0] | static_cast<unsigned long long>(m[1]) << 32;
+  const unsigned long long hi = m[2] | static_cast<unsigned long long>(m[3]) << 32;
+  if (lo == 0 && hi == 0) return make_int2(0, 0);
+  const int first = lo != 0 ? __ffsll(static_cast<long long>(lo)) - 1 : 64 + __ffsll(static_cast<long long>(hi)) - 1;
+  // The first clear bit at or after `first`.
+  int end = 128;
+  const unsigned long long clear_lo = first < 64 ? ~lo & (~0ull << first) : 0ull;
+  const unsigned long long clear_hi = first < 64 ? ~hi : ~hi & (~0ull << (first - 64));
+  if (clear_lo != 0) end = __ffsll(static_cast<long long>(clear_lo)) - 1;
+  else if (clear_hi != 0) end = 64 + __ffsll(static_cast<long long>(clear_hi)) - 1;
+  return make_int2(first, end);
+}
+
 /// One item (8 tokens) as a warp sees it.
 struct item_view {
   int kind;        // 0: empty, 1: token rows (sinks, Full, recent), 2: part of a ledger record (W < 8: all of it),
@@ -567,7 +585,7 @@ constexpr int window_cs_offset = key_extra_offset<D> - (D / 2) * 8;
 template <int D, int Bits>
 inline constexpr quantizers::record_layout staged_record{8, 1, D, Bits, 2};
 
-/// The compact slots of a chunk of ledger records only (W = 8, 2-bit codes used as stored or
+/// The compact slots of a chunk's run of ledger records (W = 8, 2-bit codes used as stored or
 /// window-relative): each record item takes `bytes` (the record, the staged key metadata at
 /// `meta`, and for window-relative records e^{i t0 f_p} at `cs`, all from the record's start)
 /// instead of an item of token rows, so that a warp's stages hold `stages` pairs (at most 4)
@@ -1351,16 +1369,27 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __shared__ std::uint32_t rows_s[W < 8 ? max_items_per_chunk : 1][8];  // kind-3 items' key-row offsets
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
-  bool described_records = true;  // whether every item this thread described is a ledger record
+  // One thread describes each item (a chunk holds at most one item per thread), and the warp's
+  // ballot marks the items of its pairs of two ledger records (record_pairs).
+  static_assert(max_items_per_chunk <= warps_per_cta * 32, "decode_attention: one thread describes each item of a chunk");
+  __shared__ std::uint32_t record_pairs_s[warps_per_cta];
   {
     const head_sections at = sections_of<2, FullBits>(L, region, h);
     const window_entry* entries = A.entries + static_cast<std::size_t>(list) * L.entries_per_lane;
-    for (int li = threadIdx.x; li < 2 * ((chunk_items + 1) / 2); li += blockDim.x) {
+    const int li = threadIdx.x;
+    bool record = false;
+    if (li < 2 * ((chunk_items + 1) / 2)) {
       const item_view v = describe_item<W, FullBits>(L, at, region, lane, entries, n_entries, first_item + li,
                                                      first_item + chunk_items, rows_s[W < 8 ? li : 0]);
-      described_records = described_records && v.kind == 2;
+      record = v.kind == 2;
       items_s[li] = item_ref::of(v, region);
     }
+    // Pairs are items (2p, 2p + 1): lanes 2p and 2p + 1 of a warp. Every lane takes part in the
+    // shuffle (not behind `record &&`: a full-mask shuffle waits for all 32 lanes).
+    const bool partner_record = __shfl_xor_sync(0xffffffffu, record, 1);
+    const bool pair_of_records = record && partner_record;
+    const std::uint32_t pairs = __ballot_sync(0xffffffffu, pair_of_records);
+    if (lane_id == 0) record_pairs_s[warp_id] = pairs;
   }
 
   // The query of head g (query_fragments): qa for token rows (and records dequantized in fp32),
@@ -1389,18 +1418,30 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       }
     }
   };
-  // Chunks whose items (an even number) are all ledger records take the records' own loop.
+  // Pairs of two ledger records take the records' own loop; the others (the sink group, Full
+  // windows, recent items, a record paired with any of them) the general loop. Routing lists the
+  // Full windows first, so a chunk's pairs of records are one run (in most chunks, every pair):
+  // the first run, [record_first, record_last), takes the records' loop, and any pair outside it
+  // the general one, which serves every kind. Before, a chunk with one pair of token rows took the
+  // general loop for all its records.
   constexpr bool RecordLoop = Fp16Records && W == 8 && FullBits == 0;
-  const bool records_only = RecordLoop ? __syncthreads_and(described_records) != 0 : (__syncthreads(), false);
+  __syncthreads();  // items_s and record_pairs_s are written
+  const int n_pairs = (chunk_items + 1) / 2;
+  int record_first = 0, record_last = 0;
+  if constexpr (RecordLoop) {
+    const int2 run = first_run_of_ones(record_pairs_s);
+    record_first = run.x / 2, record_last = run.y / 2;
+  }
+  const int n_record_pairs = record_last - record_first, n_general_pairs = n_pairs - n_record_pairs;
 
   float o[D / 16][4];
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   float m_run = -INFINITY, l_run = 0.0f, z_run = 0.0f;
 
-  const int n_pairs = (chunk_items + 1) / 2;
   auto first_position = [&](int window) { return lane.first_position + L.sinks + static_cast<long long>(window) * W; };
-  const int my_pairs = n_pairs > warp_id ? (n_pairs - warp_id + warps_per_cta - 1) / warps_per_cta : 0;
+  // Pairs of a run of n that warp warp_id takes (pairs warp_id, warp_id + warps_per_cta, ...).
+  auto pairs_of_warp = [&](int n) { return n > warp_id ? (n - warp_id + warps_per_cta - 1) / warps_per_cta : 0; };
   std::uint8_t* my_stages = stage_s + warp_id * stages * 2 * item_bytes<D>;
   // e^{i t0 f_p} for the D/2 frequencies into the slots of the pair's items that need it (a
   // record whose keys are rotated from t0, or whose query is rotated back by t0).
@@ -1517,77 +1558,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
   };
 
-  if (records_only) {
-    if constexpr (RecordLoop) {
-      // A chunk of ledger records only (lists hold the Full windows first, so most chunks are):
-      // compact slots (the record, its staged key metadata, e^{i t0 f_p} for window-relative
-      // records) let the warp keep slots::stages pairs in its stages instead of two, and the loop
-      // has no branch on item kinds. Every item has its 8 tokens.
-      using slots = record_slots<D, QueryPerWindow>;
-      constexpr int RS = slots::stages;
-      // Window-relative records of a group of at most 4 heads: one query rotation per pair.
-      [[maybe_unused]] const bool paired_rotation = QueryPerWindow && G <= 4;
-      auto issue = [&](int k) {
-        if (k < my_pairs) {
-          const int pair = warp_id + k * warps_per_cta;
-          std::uint8_t* slot = my_stages + (k % RS) * 2 * slots::bytes;
-          const std::uint8_t* src_a = region + items_s[2 * pair].offset;
-          const std::uint8_t* src_b = region + items_s[2 * pair + 1].offset;
-          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot, src_a), src_a, lane_id);
-          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot + slots::bytes, src_b), src_b, lane_id);
-        }
-        warp::cp_async_commit();
-      };
-#pragma unroll
-      for (int k = 0; k < RS - 1; ++k) issue(k);
-      load_query();
-      for (int k = 0; k < my_pairs; ++k) {
-        issue(k + RS - 1);
-        const int li_a = 2 * (warp_id + k * warps_per_cta);
-        std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
-        std::uint8_t* s_a = slots::start(slot, region + items_s[li_a].offset);
-        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + items_s[li_a + 1].offset);
-        float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
-        float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
-        if constexpr (QueryPerWindow)
-          store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
-        warp::cp_async_wait<RS - 1>();
-        __syncwarp();
-        stage_key_meta<D, slots::meta>(s_a, lane_id);
-        stage_key_meta<D, slots::meta>(s_b, lane_id);
-        // The value codes' matrix loads go out before the scores, which hide their latency.
-        std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
-        load_value_codes<D, Bits>(L.ledger_format, s_a, lane_id, codes_a);
-        load_value_codes<D, Bits>(L.ledger_format, s_b, lane_id, codes_b);
-        __syncwarp();
-        float sa[2], sb[2];
-        if constexpr (QueryPerWindow) {
-          if (paired_rotation) {
-            score_relative_pair<D, slots::meta>(qr, cs_a, cs_b, L.layout, s_a, s_b, g, t, qf, sa, sb);
-          } else {
-            float ca[4], cb[4];
-            score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
-            sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
-          }
-        } else {
-          score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
-        }
-        float2 vs_a, vz_a, vs_b, vz_b;
-        value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
-        value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
-        absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
-          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
-          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
-        });
-        __syncwarp();  // the stage is rewritten by later pairs
-      }
-    }
-  } else {
-    // Each warp streams its own pairs (pair warp_id + k * warps): pair k + stages - 1 is in flight
-    // while pair k is computed.
+  if (n_general_pairs > 0) {
+    // Each warp streams its own pairs (the general pairs warp_id + k * warps): pair k + stages - 1
+    // is in flight while pair k is computed.
+    const int my_pairs = pairs_of_warp(n_general_pairs);
+    // The k-th pair outside the run of records.
+    auto general_pair = [&](int k) { return k < record_first ? k : k + n_record_pairs; };
     auto issue = [&](int k) {
       if (k < my_pairs) {
-        const int pair = warp_id + k * warps_per_cta;
+        const int pair = general_pair(warp_id + k * warps_per_cta);
         std::uint8_t* dst = my_stages + (k % stages) * 2 * item_bytes<D>;
         const item_ref ra = items_s[2 * pair], rb = items_s[2 * pair + 1];
         if (W == 8 && ra.kind() == 2 && rb.kind() == 2) {
@@ -1607,7 +1586,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
     for (int k = 0; k < my_pairs; ++k) {
       issue(k + stages - 1);
-      const int pair = warp_id + k * warps_per_cta;
+      const int pair = general_pair(warp_id + k * warps_per_cta);
       const int li_a = 2 * pair, li_b = 2 * pair + 1;
       const item_ref ra = items_s[li_a], rb = items_s[li_b];
       const int kind_a = ra.kind(), kind_b = rb.kind(), valid_a = ra.valid(), valid_b = rb.valid();
@@ -1675,6 +1654,75 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         value_fragments<D, Bf16, Bits, FullBits>(L, kind_a, s_a, kind_b, s_b, g, t, lane_id, v);
       });
       __syncwarp();  // the stage and cs_t0 are rewritten by later pairs
+    }
+  }
+  if constexpr (RecordLoop) {
+    // After the general loop, whose copies have all landed and whose stages are read: the
+    // records' slots take the same memory.
+    if (n_record_pairs > 0) {
+      // The run of pairs of ledger records (lists hold the Full windows first, so in most chunks,
+      // every pair): compact slots (the record, its staged key metadata, e^{i t0 f_p} for window-relative
+      // records) let the warp keep slots::stages pairs in its stages instead of two, and the loop
+      // has no branch on item kinds. Every item has its 8 tokens.
+      using slots = record_slots<D, QueryPerWindow>;
+      const int my_pairs = pairs_of_warp(n_record_pairs);
+      constexpr int RS = slots::stages;
+      // Window-relative records of a group of at most 4 heads: one query rotation per pair.
+      [[maybe_unused]] const bool paired_rotation = QueryPerWindow && G <= 4;
+      auto issue = [&](int k) {
+        if (k < my_pairs) {
+          const int pair = record_first + warp_id + k * warps_per_cta;
+          std::uint8_t* slot = my_stages + (k % RS) * 2 * slots::bytes;
+          const std::uint8_t* src_a = region + items_s[2 * pair].offset;
+          const std::uint8_t* src_b = region + items_s[2 * pair + 1].offset;
+          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot, src_a), src_a, lane_id);
+          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot + slots::bytes, src_b), src_b, lane_id);
+        }
+        warp::cp_async_commit();
+      };
+#pragma unroll
+      for (int k = 0; k < RS - 1; ++k) issue(k);
+      if (n_general_pairs == 0) load_query();  // else the general loop has loaded it
+      for (int k = 0; k < my_pairs; ++k) {
+        issue(k + RS - 1);
+        const int li_a = 2 * (record_first + warp_id + k * warps_per_cta);
+        std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
+        std::uint8_t* s_a = slots::start(slot, region + items_s[li_a].offset);
+        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + items_s[li_a + 1].offset);
+        float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
+        float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
+        if constexpr (QueryPerWindow)
+          store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
+        warp::cp_async_wait<RS - 1>();
+        __syncwarp();
+        stage_key_meta<D, slots::meta>(s_a, lane_id);
+        stage_key_meta<D, slots::meta>(s_b, lane_id);
+        // The value codes' matrix loads go out before the scores, which hide their latency.
+        std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
+        load_value_codes<D, Bits>(L.ledger_format, s_a, lane_id, codes_a);
+        load_value_codes<D, Bits>(L.ledger_format, s_b, lane_id, codes_b);
+        __syncwarp();
+        float sa[2], sb[2];
+        if constexpr (QueryPerWindow) {
+          if (paired_rotation) {
+            score_relative_pair<D, slots::meta>(qr, cs_a, cs_b, L.layout, s_a, s_b, g, t, qf, sa, sb);
+          } else {
+            float ca[4], cb[4];
+            score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
+            sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
+          }
+        } else {
+          score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
+        }
+        float2 vs_a, vz_a, vs_b, vz_b;
+        value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
+        value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
+        absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
+          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
+          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
+        });
+        __syncwarp();  // the stage is rewritten by later pairs
+      }
     }
   }
   warp::cp_async_wait<0>();
