@@ -183,25 +183,6 @@ TEST_CASE("decode_layout: alignment, staged records and item counts for every wi
   }
 }
 
-TEST_CASE("decode attention's automatic split-K chunk: the busiest CTA slot, counted by hand") {
-  // decode_chunk(batch, kv_heads, max_items, resident CTAs); 396 = 132 SMs x 3 CTAs. A slot's
-  // length is waves x (items of a CTA + 16).
-  // One 32K sequence at 20 % (2460 items): 160 CTAs of 128 (1 wave x 144) against 312 of 64 (1 x 80).
-  CHECK(kernels::decode_chunk(1, 8, 2460, 396) == 64);
-  // 32 short lanes (70 items): 256 CTAs of 70 items (1 x 86) against 512 of 64 (2 x 80).
-  CHECK(kernels::decode_chunk(32, 8, 70, 396) == 128);
-  // 32 x 32K at 100 % (4100 items): 8448 CTAs (22 x 144 = 3168) against 16640 (43 x 80 = 3440).
-  CHECK(kernels::decode_chunk(32, 8, 4100, 396) == 128);
-  // One 128K sequence at 20 % (9800 items): 616 CTAs (2 x 144) against 1232 (4 x 80).
-  CHECK(kernels::decode_chunk(1, 8, 9800, 396) == 128);
-  // 24 KV heads of 300 items on 132 slots: 72 CTAs (1 x 144) against 120 (1 x 80).
-  CHECK(kernels::decode_chunk(1, 24, 300, 132) == 64);
-  // Equal slots (one CTA of 10 items either way): the longer chunk.
-  CHECK(kernels::decode_chunk(1, 1, 10, 396) == 128);
-  // No resident CTA reported: still a valid chunk.
-  CHECK(kernels::decode_chunk(4, 8, 1000, 0) == 128);
-}
-
 TEST_CASE("decode_layout: regions of a cache with a budget per layer, in the host backend's order") {
   using cfg = presets::layer_defensivekv::config_type;
   geometry g;

@@ -62,6 +62,7 @@
 #include "qevict/kernels/check.cuh"
 #include "qevict/kernels/dependent_launch.cuh"
 #include "qevict/kernels/rope.cuh"
+#include "qevict/kernels/split_k.hpp"
 #include "qevict/kernels/warp_mma.cuh"
 #include "qevict/policies/rope.hpp"
 
@@ -292,25 +293,22 @@ struct decode_arguments {
   uint4* q_fragments = nullptr;
   float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
   /// Items of one split-K chunk: a multiple of 8 up to 128, or 0 to let the launch choose
-  /// (decode_chunk: 128 or 64 items, whichever keeps the busiest CTA slot shorter).
+  /// (decode_chunk: nearly equal chunks of up to 128 items, whichever keeps the busiest CTA slot
+  /// shortest).
   int items_per_chunk = 0;
   /// Chunks per (sequence, KV head) the workspace holds (decode_workspace::chunks_for).
   int max_chunks = 0;
 };
 
-/// Split-K chunk lengths the decode kernel supports, and the shortest one an automatic choice
-/// may take (it sizes the workspace's partial outputs).
-inline constexpr int max_items_per_chunk = 128;
-inline constexpr int min_automatic_chunk = 64;
-
 /// Workspace sizes for `batch` sequences. Partial outputs are kept per chunk, window masses per
 /// item (whatever the chunk length).
 struct decode_workspace {
   std::size_t o = 0, ml = 0, mass = 0, factor = 0, tickets = 0, q = 0, table = 0;
-  /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic), the
-  /// most any automatic choice can give.
+  /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic),
+  /// chunks of workspace_chunk items, which bounds the chunks of every automatic choice
+  /// (decode_chunk takes shorter chunks only where the launch's lanes are shorter).
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
-    const int c = items_per_chunk == 0 ? min_automatic_chunk : items_per_chunk;
+    const int c = items_per_chunk == 0 ? workspace_chunk : items_per_chunk;
     return (L.max_items + c - 1) / c;
   }
   static decode_workspace sizes(const decode_layout& L, int batch, int items_per_chunk) {
@@ -1910,24 +1908,6 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
 
 }  // namespace detail
 
-/// The split-K chunk of an automatic launch (decode_arguments::items_per_chunk = 0) for `batch`
-/// sequences of at most `max_items` items, on a GPU that holds `resident_ctas` decode CTAs at once:
-/// 128 or 64 items, whichever keeps the busiest CTA slot shorter. A slot works through
-/// ceil(CTAs / resident_ctas) CTAs, each of up to `chunk` items plus a fixed cost (describing its
-/// items, the first pair's latency, merging its warps, writing its partial), which measures about
-/// 16 items' worth on the H200. Long lanes on a full grid take 128 (the fixed cost spread over more
-/// items); a grid shorter than one wave takes 64 when that spreads the items over more SMs.
-inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas) {
-  constexpr long long fixed_cost = 16;
-  const long long slots = std::max(1, resident_ctas);
-  const auto busiest_slot = [&](int chunk) {
-    const long long ctas = static_cast<long long>(batch) * kv_heads * ((max_items + chunk - 1) / chunk);
-    const long long waves = (ctas + slots - 1) / slots;
-    return waves * (std::min(chunk, max_items) + fixed_cost);
-  };
-  return busiest_slot(128) <= busiest_slot(min_automatic_chunk) ? 128 : min_automatic_chunk;
-}
-
 /// Launches attention for `args.batch` sequences on `stream`. `max_items` bounds the items of any
 /// lane in this batch (it sizes the grid; CTAs past a lane's items return at once).
 template <int D, element_type E, bool EmitMass, record_rotation Records, class Scorer, int W, int Bits, int FullBits = 0>
@@ -1975,7 +1955,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     return sms * per_sm;
   }();
   decode_arguments a = args;
-  if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas);
+  if (a.items_per_chunk == 0) a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas, a.max_chunks);
   const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
   qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
   qevict::detail::require(chunks <= 65535, "decode_attention: more than 65535 chunks a lane (raise items_per_chunk)");

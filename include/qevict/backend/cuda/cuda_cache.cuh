@@ -64,7 +64,8 @@ class cuda_cache;
 struct cuda_settings {
   cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
   /// Split-K chunk of the decode kernel: a multiple of 8 up to 128 items, or 0 to choose per call
-  /// (kernels::decode_chunk: 128 or 64 items, whichever keeps the busiest CTA slot shorter).
+  /// (kernels::decode_chunk: nearly equal chunks of up to 128 items, whichever keeps the busiest
+  /// CTA slot shortest).
   int items_per_chunk = 0;
 };
 

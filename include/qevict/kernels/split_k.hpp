@@ -1,0 +1,67 @@
+#pragma once
+// How the decode kernel splits each (sequence, KV head)'s items into chunks (split-K), answerable by
+// any C++ compiler (no CUDA needed): the chunk lengths the kernel supports, and the one an
+// automatic launch (decode_arguments::items_per_chunk = 0) takes.
+//
+//   const int chunk = qevict::kernels::decode_chunk(batch, kv_heads, max_items, resident_ctas, max_chunks);
+//
+// An item is 8 tokens (kernels/decode_attention.cuh); a CTA serves one chunk of one
+// (sequence, KV head), and the last CTA of a (sequence, KV head) to finish merges its chunks.
+
+#include <algorithm>
+#include <limits>
+
+namespace qevict::kernels {
+
+/// The longest split-K chunk the decode kernel supports: one thread of its 128 describes each item,
+/// and each item's mass per head stays in shared memory while the CTA runs. Chunks are multiples
+/// of 8 items (a warp takes two items at a time, a CTA has four warps).
+inline constexpr int max_items_per_chunk = 128;
+/// The chunk length the workspace of an automatic launch is sized for, over the longest lane the
+/// layout allows (decode_workspace::chunks_for). An automatic launch may take shorter chunks where
+/// its lanes are shorter, as long as they fit that workspace.
+inline constexpr int workspace_chunk = 64;
+/// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk).
+/// Shorter chunks measured slower at every table point but one (1×32K at 5 %, before RoPE).
+inline constexpr int min_automatic_chunk = 32;
+/// A CTA's fixed cost in items' worth of work (describing its items, the first pair's latency,
+/// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance.md.
+inline constexpr int chunk_fixed_cost = 24;
+
+/// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
+/// (sequence, KV head), on a GPU that holds `resident_ctas` decode CTAs at once, with a workspace
+/// for at most `max_chunks` chunks per (sequence, KV head).
+///
+/// Each candidate splits a lane of max_items items into k nearly equal chunks, rounded up to a
+/// multiple of 8: ceil(max_items / k) for k = 1, 2, ..., ceil(max_items / min_automatic_chunk), at
+/// most max_items_per_chunk. Equal chunks matter: with a fixed 128, a lane of 293 items ends in a
+/// chunk of 37 while the others run 128; three chunks of 104 take the same CTAs and end sooner.
+/// A candidate's cost is its busiest CTA slot: waves = ceil(CTAs / resident_ctas), each as long as
+/// one chunk plus the fixed cost. The cheapest wins; on a tie, the longer chunk (fewer CTAs, fewer
+/// partials to merge). Where no candidate fits the workspace, max_items_per_chunk (the launch then
+/// reports that the workspace is too small).
+inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas, int max_chunks) {
+  const long long slots = std::max(1, resident_ctas);
+  const long long lanes = static_cast<long long>(std::max(1, batch)) * std::max(1, kv_heads);
+  const int items = std::max(1, max_items);
+  int best = max_items_per_chunk;
+  long long best_cost = std::numeric_limits<long long>::max();
+  // Chunks of at most c items, for every multiple of 8 from the longest: k = ceil(items / c) chunks,
+  // evened out to ceil(items / k) items rounded up to 8 (at most c). Every k whose even chunk is
+  // in range is reached this way, and the even chunks come out longest first.
+  for (int c = max_items_per_chunk; c >= min_automatic_chunk; c -= 8) {
+    const int k = (items + c - 1) / c;
+    const int chunk = ((items + k - 1) / k + 7) / 8 * 8;
+    const long long chunks = (items + chunk - 1) / chunk;
+    if (chunks > max_chunks) continue;
+    const long long waves = (lanes * chunks + slots - 1) / slots;
+    const long long cost = waves * (std::min(chunk, items) + chunk_fixed_cost);
+    if (cost < best_cost) {
+      best = chunk;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+}  // namespace qevict::kernels
