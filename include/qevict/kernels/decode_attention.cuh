@@ -1368,7 +1368,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
   // One thread describes each item (a chunk holds at most one item per thread), and the warp's
-  // ballot marks the items of its pairs of two ledger records (record_pairs).
+  // ballot marks the items of its pairs of two ledger records (record_pairs_s).
   static_assert(max_items_per_chunk <= warps_per_cta * 32, "decode_attention: one thread describes each item of a chunk");
   __shared__ std::uint32_t record_pairs_s[warps_per_cta];
   {
@@ -1420,8 +1420,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // windows, recent items, a record paired with any of them) the general loop. Routing lists the
   // Full windows first, so a chunk's pairs of records are one run (in most chunks, every pair):
   // the first run, [record_first, record_last), takes the records' loop, and any pair outside it
-  // the general one, which serves every kind. Before, a chunk with one pair of token rows took the
-  // general loop for all its records.
+  // the general one, which serves every kind.
   constexpr bool RecordLoop = Fp16Records && W == 8 && FullBits == 0;
   __syncthreads();  // items_s and record_pairs_s are written
   const int n_pairs = (chunk_items + 1) / 2;
@@ -1659,9 +1658,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     // records' slots take the same memory.
     if (n_record_pairs > 0) {
       // The run of pairs of ledger records (lists hold the Full windows first, so in most chunks,
-      // every pair): compact slots (the record, its staged key metadata, e^{i t0 f_p} for window-relative
-      // records) let the warp keep slots::stages pairs in its stages instead of two, and the loop
-      // has no branch on item kinds. Every item has its 8 tokens.
+      // every pair): compact slots (the record, its staged key metadata, e^{i t0 f_p} for
+      // window-relative records) let the warp keep slots::stages pairs in its stages instead of
+      // two, and the loop has no branch on item kinds. Every item has its 8 tokens.
       using slots = record_slots<D, QueryPerWindow>;
       const int my_pairs = pairs_of_warp(n_record_pairs);
       constexpr int RS = slots::stages;

@@ -1,6 +1,6 @@
 #pragma once
-// How the decode kernel splits each (sequence, KV head)'s items into chunks (split-K), answerable by
-// any C++ compiler (no CUDA needed): the chunk lengths the kernel supports, and the one an
+// How the decode kernel splits each (sequence, KV head)'s items into chunks (split-K), answerable
+// by any C++ compiler (no CUDA needed): the chunk lengths the kernel supports, and the one an
 // automatic launch (decode_arguments::items_per_chunk = 0) takes.
 //
 //   const int chunk = qevict::kernels::decode_chunk(batch, kv_heads, max_items, resident_ctas, max_chunks);
@@ -46,9 +46,9 @@ inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_cta
   const int items = std::max(1, max_items);
   int best = max_items_per_chunk;
   long long best_cost = std::numeric_limits<long long>::max();
-  // Chunks of at most c items, for every multiple of 8 from the longest: k = ceil(items / c) chunks,
-  // evened out to ceil(items / k) items rounded up to 8 (at most c). Every k whose even chunk is
-  // in range is reached this way, and the even chunks come out longest first.
+  // Chunks of at most c items, for every multiple of 8 from the longest: k = ceil(items / c)
+  // chunks, evened out to ceil(items / k) items rounded up to 8 (at most c). Every k whose even
+  // chunk is in range is reached this way, and the even chunks come out longest first.
   for (int c = max_items_per_chunk; c >= min_automatic_chunk; c -= 8) {
     const int k = (items + c - 1) / c;
     const int chunk = ((items + k - 1) / k + 7) / 8 * 8;
