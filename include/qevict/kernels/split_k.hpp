@@ -21,8 +21,9 @@ inline constexpr int max_items_per_chunk = 128;
 /// layout allows (decode_workspace::chunks_for). An automatic launch may take shorter chunks where
 /// its lanes are shorter, as long as they fit that workspace.
 inline constexpr int workspace_chunk = 64;
-/// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk).
-/// Shorter chunks measured slower at every table point but one (1×32K at 5 %, before RoPE).
+/// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk). In
+/// the chunk sweeps of docs/performance.md, chunks of 16 or 24 items were the fastest only at one
+/// sequence of 32K tokens at a 5 % budget, and where a lane is one chunk either way.
 inline constexpr int min_automatic_chunk = 32;
 /// A CTA's fixed cost in items' worth of work (describing its items, the first pair's latency,
 /// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance.md.
