@@ -2,6 +2,7 @@
 // translation unit includes.
 #include <qevict/kernels/split_k.hpp>
 
+#include <limits>
 #include <random>
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -36,15 +37,17 @@ TEST_CASE("decode_chunk: the busiest CTA slot of nearly equal chunks, counted by
   CHECK(decode_chunk(32, 8, 2451, 396, 0) == 128);
 }
 
-TEST_CASE("decode_chunk: a chunk the kernel supports, within the workspace, for any launch") {
+TEST_CASE("decode_chunk: a chunk the kernel supports, within the workspace where one fits, for any launch") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> batch_d(1, 64), heads_d(1, 32), items_d(1, 20000), slots_d(0, 1000);
   for (int i = 0; i < 20000; ++i) {
     const int batch = batch_d(rng), heads = heads_d(rng), items = items_d(rng), slots = slots_d(rng);
-    // The workspace of an automatic launch: chunks of workspace_chunk items over a layout's longest
-    // lane, which is at least this launch's.
+    // The workspace of an automatic launch (chunks of min_automatic_chunk items over a layout's
+    // longest lane, which is at least this launch's), or one a user sized for fewer chunks.
     const int layout_items = items + std::uniform_int_distribution<int>(0, 5000)(rng);
-    const int max_chunks = (layout_items + qevict::kernels::workspace_chunk - 1) / qevict::kernels::workspace_chunk;
+    const int automatic = (layout_items + qevict::kernels::min_automatic_chunk - 1) / qevict::kernels::min_automatic_chunk;
+    const bool smaller = i % 4 == 0;
+    const int max_chunks = smaller ? std::uniform_int_distribution<int>(0, automatic)(rng) : automatic;
     const int c = decode_chunk(batch, heads, items, slots, max_chunks);
     CAPTURE(batch);
     CAPTURE(heads);
@@ -53,7 +56,13 @@ TEST_CASE("decode_chunk: a chunk the kernel supports, within the workspace, for 
     REQUIRE(c % 8 == 0);
     REQUIRE(c >= 8);
     REQUIRE(c <= qevict::kernels::max_items_per_chunk);
-    REQUIRE((items + c - 1) / c <= max_chunks);
+    // It fits the workspace whenever a chunk of at most 128 items can: always for the automatic
+    // workspace; else the launch reports that the workspace is too small.
+    const int fewest = (items + qevict::kernels::max_items_per_chunk - 1) / qevict::kernels::max_items_per_chunk;
+    // The automatic workspace never narrows the choice: it is the choice without any bound.
+    if (!smaller) REQUIRE(c == decode_chunk(batch, heads, items, slots, std::numeric_limits<int>::max()));
+    if (fewest <= max_chunks) REQUIRE((items + c - 1) / c <= max_chunks);
+    else REQUIRE(c == qevict::kernels::max_items_per_chunk);
     // Never more chunks than chunks of min_automatic_chunk items would make.
     const int most = (items + qevict::kernels::min_automatic_chunk - 1) / qevict::kernels::min_automatic_chunk;
     REQUIRE((items + c - 1) / c <= most);

@@ -305,10 +305,9 @@ struct decode_arguments {
 struct decode_workspace {
   std::size_t o = 0, ml = 0, mass = 0, factor = 0, tickets = 0, q = 0, table = 0;
   /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic),
-  /// chunks of workspace_chunk items, which bounds the chunks of every automatic choice
-  /// (decode_chunk takes shorter chunks only where the launch's lanes are shorter).
+  /// chunks of min_automatic_chunk items, the most chunks any automatic choice makes.
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
-    const int c = items_per_chunk == 0 ? workspace_chunk : items_per_chunk;
+    const int c = items_per_chunk == 0 ? min_automatic_chunk : items_per_chunk;
     return (L.max_items + c - 1) / c;
   }
   static decode_workspace sizes(const decode_layout& L, int batch, int items_per_chunk) {

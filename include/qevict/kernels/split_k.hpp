@@ -17,13 +17,11 @@ namespace qevict::kernels {
 /// and each item's mass per head stays in shared memory while the CTA runs. Chunks are multiples
 /// of 8 items (a warp takes two items at a time, a CTA has four warps).
 inline constexpr int max_items_per_chunk = 128;
-/// The chunk length the workspace of an automatic launch is sized for, over the longest lane the
-/// layout allows (decode_workspace::chunks_for). An automatic launch may take shorter chunks where
-/// its lanes are shorter, as long as they fit that workspace.
-inline constexpr int workspace_chunk = 64;
-/// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk). In
-/// the chunk sweeps of docs/performance.md, chunks of 16 or 24 items were the fastest only at one
-/// sequence of 32K tokens at a 5 % budget, and where a lane is one chunk either way.
+/// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk), and
+/// the chunk length its workspace is sized for over the layout's longest lane
+/// (decode_workspace::chunks_for), so that every automatic choice fits. In the chunk sweeps of
+/// docs/performance.md, chunks of 16 or 24 items were the fastest only at one sequence of 32K
+/// tokens at a 5 % budget, and where a lane is one chunk either way.
 inline constexpr int min_automatic_chunk = 32;
 /// A CTA's fixed cost in items' worth of work (describing its items, the first pair's latency,
 /// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance.md.
