@@ -123,11 +123,11 @@ void check_layouts(int head_dim, const budget& b) {
   CHECK(needed <= L.entries_per_lane);
   CHECK(L.listed_items(needed) == (L.record_entries == 1 ? L.listed_items(n_full + n_records) : (n_full + S - 1) / S + n_records));
   CHECK(L.listed_items(L.max_entries_for(n_full + n_records)) >= L.listed_items(needed));
-  // Workspace: partial outputs for every chunk of the shortest automatic chunk (64 items) or of a
+  // Workspace: partial outputs for every chunk of the shortest automatic chunk (32 items) or of a
   // fixed one; window masses per item (8/W windows an item for W < 8), whatever the chunk.
   for (int ipc : {0, 8, 64, 128}) {
     CAPTURE(ipc);
-    const int chunk = ipc == 0 ? 64 : ipc;
+    const int chunk = ipc == 0 ? 32 : ipc;
     const std::size_t chunks = static_cast<std::size_t>((L.max_items + chunk - 1) / chunk), bh = 3 * static_cast<std::size_t>(g.kv_heads);
     const int group = g.q_heads / g.kv_heads;
     const auto ws = kernels::decode_workspace::sizes(L, 3, ipc);
