@@ -83,6 +83,9 @@ int run(cudaStream_t st) {
   std::printf("%s on the GPU: %zu bytes for %d sequences x %d layers (K_f = %zu, K_q = %zu per layer)\n", Preset::name,
               qevict::cache<config, qevict::backend::cuda>::required_bytes(g, b, lim), lim.max_batch, g.layers,
               gpu.plan().caps.full, gpu.plan().caps.quantized);
+  const qevict::device_memory mem = gpu.device_bytes();
+  std::printf("device memory: %zu bytes = arena %zu + tables %zu + decode workspace %zu\n", mem.total(), mem.arena, mem.tables,
+              mem.decode_workspace);
 
   const std::size_t kv_row = static_cast<std::size_t>(g.kv_heads) * g.head_dim, q_row = static_cast<std::size_t>(g.q_heads) * g.head_dim;
   std::mt19937 rng(11);

@@ -293,6 +293,13 @@ class cache {
     if constexpr (requires { engine_.check(); }) engine_.check();
   }
   budget_report report() const { return engine_.report(); }
+  /// Device memory the backend allocated at construction, by part (device backends only): the
+  /// arena the budget fills, and outside it the tables and the decode workspace.
+  device_memory device_bytes() const
+  requires requires(const engine_type& e) { e.device_bytes(); }
+  {
+    return engine_.device_bytes();
+  }
   std::vector<window_info> windows(sequence_id s, int layer) const {
     check_sequence("windows", s);
     check_layer("windows", layer);

@@ -163,7 +163,7 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   CHECK(rel_error(dout.download(), out_h, g.head_dim) <= 2e-3);
 }
 
-TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
+TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting, and the device memory it takes") {
   const geometry g = small_layer();
   const limits lim{.max_batch = 2, .max_tokens = 2048};
   auto make = [&](int items_per_chunk) { qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, gpu_test::with_chunk(items_per_chunk)); };
@@ -173,6 +173,29 @@ TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting") {
   CHECK_THROWS_WITH_AS(make(-8), doctest::Contains("got -8"), qevict::error);
   CHECK_NOTHROW(make(8));
   CHECK_NOTHROW(make(128));
+  // Device memory by part. The arena is required_bytes, or nothing with external storage; the
+  // setting changes the workspace only; an automatic chunk's workspace is that of chunks of 32
+  // items (the most chunks an automatic launch makes), and longer fixed chunks need less.
+  using cache_t = qevict::cache<paper, backend::cuda>;
+  const std::size_t required = cache_t::required_bytes(g, budget::fraction(0.2), lim);
+  auto memory_of = [&](int items_per_chunk) {
+    return cache_t(g, budget::fraction(0.2), lim, gpu_test::with_chunk(items_per_chunk)).device_bytes();
+  };
+  const qevict::device_memory automatic = memory_of(0), of_32 = memory_of(32), of_128 = memory_of(128);
+  CHECK(automatic.arena == required);
+  CHECK(automatic.tables > 0);
+  CHECK(automatic.decode_workspace == of_32.decode_workspace);
+  CHECK(of_128.decode_workspace < automatic.decode_workspace);
+  CHECK(of_128.tables == automatic.tables);
+  CHECK(automatic.total() == automatic.arena + automatic.tables + automatic.decode_workspace);
+  {
+    device_buffer<std::byte> arena(required);
+    const cache_t kv(g, budget::fraction(0.2), lim, storage::external{arena.ptr, required}, gpu_test::with_chunk(0));
+    const qevict::device_memory external = kv.device_bytes();
+    CHECK(external.arena == 0);
+    CHECK(external.tables == automatic.tables);
+    CHECK(external.decode_workspace == automatic.decode_workspace);
+  }
   // The shortest chunk (dozens per lane) and the longest against the host, through routing events;
   // the default (0: chosen per call) is what every other case runs.
   for (int ipc : {8, 128}) {

@@ -51,6 +51,16 @@ inline void add_lane(layer_report& lr, const region_plan& p, const tier_counts& 
   lr.full_cache_bytes += static_cast<std::size_t>(tokens) * p.token_bytes;
 }
 
+/// Device memory a device backend (backend::cuda) allocated at construction, by part: the bytes
+/// asked of the allocator, which it may round up. It allocates nothing after construction.
+struct device_memory {
+  std::size_t arena = 0;             ///< the budgeted regions (required_bytes); 0 with external storage
+  std::size_t tables = 0;            ///< lane states, window lists and their counts, free-slot lists,
+                                     ///< routing's task lists, rotary frequencies, the error slot
+  std::size_t decode_workspace = 0;  ///< split-K partials, window masses and factors, tickets, query fragments
+  std::size_t total() const { return arena + tables + decode_workspace; }
+};
+
 struct budget_report {
   std::vector<layer_report> layers;
   std::size_t sequences = 0;

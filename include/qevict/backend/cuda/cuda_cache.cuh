@@ -194,27 +194,27 @@ class cuda_cache {
                       "backend::cuda: external storage must be device memory");
       S_.arena = external;
     } else {
-      S_.arena = alloc<std::byte>(need);
+      S_.arena = alloc<std::byte>(need, memory_.arena);
       owned_arena_ = true;
     }
-    S_.lanes = alloc<kernels::lane_state>(lanes_total_);
-    S_.attend_lanes = alloc<kernels::lane_state>(lanes_total_);
+    S_.lanes = alloc<kernels::lane_state>(lanes_total_, memory_.tables);
+    S_.attend_lanes = alloc<kernels::lane_state>(lanes_total_, memory_.tables);
     const std::size_t lists = lanes_total_ * static_cast<std::size_t>(plan_.units);
-    S_.entries = alloc<kernels::window_entry>(lists * std::max(1, list_capacity));
-    S_.entry_counts = alloc<int>(lists);
-    S_.attend_counts = alloc<int>(lists);
-    S_.extra = alloc<kernels::lane_extra>(lanes_total_);
-    S_.free_full = alloc<std::int32_t>(lanes_total_ * std::max(1, full_stride));
-    S_.free_ledger = alloc<std::int32_t>(lanes_total_ * std::max(1, ledger_stride));
-    S_.batch_lanes = alloc<int>(static_cast<std::size_t>(lim.max_batch));
-    S_.error = alloc<kernels::device_error>(1);
+    S_.entries = alloc<kernels::window_entry>(lists * std::max(1, list_capacity), memory_.tables);
+    S_.entry_counts = alloc<int>(lists, memory_.tables);
+    S_.attend_counts = alloc<int>(lists, memory_.tables);
+    S_.extra = alloc<kernels::lane_extra>(lanes_total_, memory_.tables);
+    S_.free_full = alloc<std::int32_t>(lanes_total_ * std::max(1, full_stride), memory_.tables);
+    S_.free_ledger = alloc<std::int32_t>(lanes_total_ * std::max(1, ledger_stride), memory_.tables);
+    S_.batch_lanes = alloc<int>(static_cast<std::size_t>(lim.max_batch), memory_.tables);
+    S_.error = alloc<kernels::device_error>(1, memory_.tables);
     const std::vector<double> inv = rope::inverse_frequencies(g.rope, g.head_dim);
-    double* inv_d = alloc<double>(inv.size());
+    double* inv_d = alloc<double>(inv.size(), memory_.tables);
     QEVICT_CUDA_CHECK(cudaMemcpyAsync(inv_d, inv.data(), inv.size() * sizeof(double), cudaMemcpyHostToDevice, set_.stream));
     S_.inv_freq = inv_d;
-    S_.quantize_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries));
-    S_.store_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries));
-    S_.task_counts = alloc<int>(2 * static_cast<std::size_t>(lim.max_batch));
+    S_.quantize_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries), memory_.tables);
+    S_.store_tasks = alloc<kernels::migration_task>(static_cast<std::size_t>(lim.max_batch) * std::max(1, entries), memory_.tables);
+    S_.task_counts = alloc<int>(2 * static_cast<std::size_t>(lim.max_batch), memory_.tables);
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.error, 0, sizeof(kernels::device_error), set_.stream));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
     QEVICT_CUDA_CHECK(cudaMemsetAsync(S_.attend_lanes, 0, lanes_total_ * sizeof(kernels::lane_state), set_.stream));
@@ -224,7 +224,7 @@ class cuda_cache {
     // Decode workspace for a whole batch.
     const auto ws = kernels::decode_workspace::sizes(params_[0].L, lim.max_batch, set_.items_per_chunk);  // the same max_items for all layers
     workspace_ = ws;
-    workspace_block_ = alloc<std::byte>(ws.bytes());
+    workspace_block_ = alloc<std::byte>(ws.bytes(), memory_.decode_workspace);
     QEVICT_CUDA_CHECK(cudaMemsetAsync(workspace_block_, 0, ws.bytes(), set_.stream));
     mirrors_.resize(lanes_total_);
     QEVICT_CUDA_CHECK(cudaStreamSynchronize(set_.stream));
@@ -245,6 +245,8 @@ class cuda_cache {
   const options& opts() const { return opt_; }
   const cuda_settings& settings() const { return set_; }
   std::size_t required_bytes() const { return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch); }
+  /// Device memory allocated at construction, by part.
+  device_memory device_bytes() const { return memory_; }
   /// Device pointer of the arena: the region of (sequence s, layer l) at s * (the sum of the layers'
   /// region bytes) + (the region bytes of the layers before l), as on the host backend.
   const std::byte* arena() const { return S_.arena; }
@@ -553,11 +555,14 @@ class cuda_cache {
     int steps = 0;
   };
 
+  /// Device memory for n elements, counted in `part` (one of memory_'s).
   template <class T>
-  T* alloc(std::size_t n) {
+  T* alloc(std::size_t n, std::size_t& part) {
     void* p = nullptr;
-    QEVICT_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(n, 1) * sizeof(T)));
+    const std::size_t bytes = std::max<std::size_t>(n, 1) * sizeof(T);
+    QEVICT_CUDA_CHECK(cudaMalloc(&p, bytes));
     allocations_.push_back(p);
+    part += bytes;
     return static_cast<T*>(p);
   }
 
@@ -650,6 +655,7 @@ class cuda_cache {
   bool owned_arena_ = false;
   std::vector<void*> allocations_;
   kernels::decode_workspace workspace_;  // the decode kernel's, in one block
+  device_memory memory_;  // what alloc() asked for, by part
   std::byte* workspace_block_ = nullptr;
   mutable std::vector<mirror> mirrors_;
   sequence_slots sequences_;
