@@ -195,7 +195,6 @@ class cuda_cache {
       S_.arena = external;
     } else {
       S_.arena = alloc<std::byte>(need, memory_.arena);
-      owned_arena_ = true;
     }
     S_.lanes = alloc<kernels::lane_state>(lanes_total_, memory_.tables);
     S_.attend_lanes = alloc<kernels::lane_state>(lanes_total_, memory_.tables);
@@ -652,7 +651,6 @@ class cuda_cache {
   std::vector<std::size_t> layer_offset_;      ///< of each layer's region in a sequence's bytes
   std::size_t sequence_stride_ = 0;
   kernels::cache_pointers S_{};
-  bool owned_arena_ = false;
   std::vector<void*> allocations_;
   kernels::decode_workspace workspace_;  // the decode kernel's, in one block
   device_memory memory_;  // what alloc() asked for, by part
