@@ -206,6 +206,40 @@ TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting, and the devi
   }
 }
 
+TEST_CASE("CUDA backend: a construction that runs out of device memory part-way frees what it took") {
+  // The arena is the constructor's first allocation and the decode workspace its last: with all but
+  // half the workspace taken by another allocation, the arena and the tables succeed and the
+  // workspace fails. The cache must then give back the arena and the tables, and leave no CUDA
+  // error behind for the next launch check. (Free memory is read from the device: run this case
+  // while no other process allocates on it.)
+  const geometry g = small_layer();
+  const limits lim{.max_batch = 128, .max_tokens = 65536};
+  using cache_t = qevict::cache<paper, backend::cuda>;
+  auto construct = [&] { return cache_t(g, budget::fraction(0.2), lim, gpu_test::with_chunk(8)); };
+  const qevict::device_memory need = construct().device_bytes();
+  REQUIRE(need.arena >= (std::size_t{256} << 20));
+  REQUIRE(need.decode_workspace >= (std::size_t{32} << 20));
+  std::size_t free_before = 0, total = 0;
+  QEVICT_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  const std::size_t leave = need.arena + need.tables + need.decode_workspace / 2;
+  REQUIRE(free_before > leave);
+  device_buffer<std::byte> blocker(free_before - leave);
+  std::size_t free_blocked = 0;
+  QEVICT_CUDA_CHECK(cudaMemGetInfo(&free_blocked, &total));
+  CHECK_THROWS_WITH_AS(construct(), doctest::Contains("out of memory"), qevict::error);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  std::size_t free_after = 0;
+  QEVICT_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  // Allocation granularity aside, everything the failed construction took is free again (a leak
+  // would keep the arena: hundreds of MB).
+  CHECK(free_after + (std::size_t{16} << 20) >= free_blocked);
+  // And a cache built next works.
+  {
+    case_spec c{64, 4, 2, element_type::bf16, budget::fraction(0.2), 300, 16, 1, rope_layout::rotate_half, true};
+    run_case<paper>(c, 417);
+  }
+}
+
 TEST_CASE("CUDA backend: decode steps captured in CUDA graphs match the same steps run directly") {
   // Two caches with the same inputs, each on a stream of its own: one runs append + attend
   // directly, the other captures the same calls into a graph per step and replays it once. Every

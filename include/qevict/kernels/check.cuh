@@ -11,8 +11,12 @@
 namespace qevict::kernels {
 
 inline void check_cuda(cudaError_t e, const char* what, const char* file, int line) {
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    // A failed call also leaves its error as the thread's last error; taken here, so that the next
+    // launch check does not report it again as its own (sticky errors stay: the context is lost).
+    (void)cudaGetLastError();
     throw error(std::string("CUDA error in ") + what + " (" + file + ":" + std::to_string(line) + "): " + cudaGetErrorString(e));
+  }
 }
 
 }  // namespace qevict::kernels

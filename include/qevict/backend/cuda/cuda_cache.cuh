@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -231,10 +232,8 @@ class cuda_cache {
 
   cuda_cache(const cuda_cache&) = delete;
   cuda_cache& operator=(const cuda_cache&) = delete;
-  ~cuda_cache() {
-    cudaStreamSynchronize(set_.stream);
-    for (void* p : allocations_) cudaFree(p);
-  }
+  /// Waits for the stream's work; the allocations are then freed by their owners (allocations_).
+  ~cuda_cache() { cudaStreamSynchronize(set_.stream); }
 
   // ---- sizes -------------------------------------------------------------------------------
   const region_plan& plan() const { return plan_; }
@@ -286,12 +285,14 @@ class cuda_cache {
     const int observers = n - first_observer;
     const int started = windows_started(n);
     const int entries = started * plan_.units;  // table entries the observation queries score
-    float *kr = nullptr, *qr = nullptr;
-    double* qmass = nullptr;
-    QEVICT_CUDA_CHECK(cudaMallocAsync(&kr, static_cast<std::size_t>(n) * krow * sizeof(float), st));
-    QEVICT_CUDA_CHECK(cudaMallocAsync(&qr, static_cast<std::size_t>(q_rows) * qrow * sizeof(float), st));
+    // Stream-ordered scratch, freed on the stream when this call returns or throws.
+    const stream_scratch<float> kr_owned(static_cast<std::size_t>(n) * krow, st);
+    const stream_scratch<float> qr_owned(static_cast<std::size_t>(q_rows) * qrow, st);
     const std::size_t qmass_n = std::max<std::size_t>(1, static_cast<std::size_t>(observers) * std::max(entries, 1));
-    QEVICT_CUDA_CHECK(cudaMallocAsync(&qmass, qmass_n * sizeof(double), st));
+    const stream_scratch<double> qmass_owned(qmass_n, st);
+    float* const kr = kr_owned.get();
+    float* const qr = qr_owned.get();
+    double* const qmass = qmass_owned.get();
     QEVICT_CUDA_CHECK(cudaMemsetAsync(qmass, 0, qmass_n * sizeof(double), st));
     kernels::detail::rotate_rows_kernel<rotates><<<1024, 256, 0, st>>>(P, S_, k, kr, n, hkv, p0);
     QEVICT_CUDA_CHECK_LAUNCH("rotate_rows_kernel");
@@ -317,9 +318,6 @@ class cuda_cache {
     list.n = 1;
     list.lane[0] = lane;
     launch_route(layer, list, kernels::route_source{kr, v}, 2);
-    QEVICT_CUDA_CHECK(cudaFreeAsync(kr, st));
-    QEVICT_CUDA_CHECK(cudaFreeAsync(qr, st));
-    QEVICT_CUDA_CHECK(cudaFreeAsync(qmass, st));
   }
 
   // ---- decode ------------------------------------------------------------------------------
@@ -554,13 +552,40 @@ class cuda_cache {
     int steps = 0;
   };
 
+  /// Frees what cudaMalloc gave. Owners of the allocations, so that a constructor that throws
+  /// part-way (a failed allocation, a bad setting found late) frees what it had taken: members are
+  /// destroyed even when the constructor's body does not finish.
+  struct device_free {
+    void operator()(void* p) const noexcept { cudaFree(p); }
+  };
+  using device_allocation = std::unique_ptr<void, device_free>;
+
+  /// Scratch of n elements from cudaMallocAsync on `stream`, given back on the same stream when
+  /// the owner goes out of scope (also when the call that took it throws).
+  template <class T>
+  class stream_scratch {
+   public:
+    stream_scratch(std::size_t n, cudaStream_t stream) : stream_(stream) {
+      QEVICT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p_), std::max<std::size_t>(n, 1) * sizeof(T), stream));
+    }
+    stream_scratch(const stream_scratch&) = delete;
+    stream_scratch& operator=(const stream_scratch&) = delete;
+    ~stream_scratch() { cudaFreeAsync(p_, stream_); }
+    T* get() const { return p_; }
+
+   private:
+    T* p_ = nullptr;
+    cudaStream_t stream_;
+  };
+
   /// Device memory for n elements, counted in `part` (one of memory_'s).
   template <class T>
   T* alloc(std::size_t n, std::size_t& part) {
     void* p = nullptr;
     const std::size_t bytes = std::max<std::size_t>(n, 1) * sizeof(T);
     QEVICT_CUDA_CHECK(cudaMalloc(&p, bytes));
-    allocations_.push_back(p);
+    device_allocation owned(p);
+    allocations_.push_back(std::move(owned));
     part += bytes;
     return static_cast<T*>(p);
   }
@@ -651,7 +676,7 @@ class cuda_cache {
   std::vector<std::size_t> layer_offset_;      ///< of each layer's region in a sequence's bytes
   std::size_t sequence_stride_ = 0;
   kernels::cache_pointers S_{};
-  std::vector<void*> allocations_;
+  std::vector<device_allocation> allocations_;  ///< every cudaMalloc of the constructor (freed with the cache)
   kernels::decode_workspace workspace_;  // the decode kernel's, in one block
   device_memory memory_;  // what alloc() asked for, by part
   std::byte* workspace_block_ = nullptr;
