@@ -41,6 +41,9 @@ struct case_spec {
   /// Scales the queries: large scales spread the scores over many powers of two, so that a row's
   /// reference maximum is raised again and again while the kernel runs through its items.
   float query_scale = 1.0f;
+  /// Requires every lane to fit one chunk: the launch then has no query kernel, and each CTA
+  /// prepares its own query.
+  bool one_chunk = false;
 };
 
 struct built_cache {
@@ -161,6 +164,7 @@ void run_case(const case_spec& spec, unsigned seed) {
   const auto inv = rope::rotary::inverse_frequencies(g.rope, g.head_dim);
   device_buffer<double> d_inv(inv);
   const int ipc = spec.items_per_chunk;
+  if (spec.one_chunk) REQUIRE((ipc > 0 && built.max_items <= ipc));
   const auto ws = kernels::decode_workspace::sizes(L, spec.batch, ipc);
   device_buffer<std::byte> d_workspace(ws.bytes());
   QEVICT_CUDA_CHECK(cudaMemset(d_workspace.ptr, 0, ws.bytes()));
@@ -291,6 +295,23 @@ TEST_CASE("decode attention with every split-K chunk size") {
     run_case<cfg_window_relative>(case_spec{128, 1, 32, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 1200, ipc}, seed++);
     run_case(case_spec{64, 4, 1, element_type::f16, budget::everything(), rope_layout::rotate_half, 3000, ipc}, seed++);
   }
+}
+
+TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own query") {
+  // Lanes of at most 128 items in chunks of 128: the grid has one chunk per (sequence, KV head),
+  // and its CTAs rotate and split their queries themselves (with the paper's records, also the
+  // per-key rotation table), for every key frame, group and head_dim.
+  unsigned seed = 9500;
+  auto one = [](case_spec c) {
+    c.items_per_chunk = 128;
+    c.one_chunk = true;
+    return c;
+  };
+  run_case(one(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 700}), seed++);
+  run_case(one(case_spec{64, 8, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 700}), seed++);
+  run_case<cfg_post_rope>(one(case_spec{128, 4, 32, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 700}), seed++);
+  run_case<cfg_window_relative>(one(case_spec{128, 1, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 700}), seed++);
+  run_case(one(case_spec{64, 4, 1, element_type::f16, budget::everything(), rope_layout::rotate_half, 900}), seed++);
 }
 
 TEST_CASE("decode attention over window lists with the tiers interleaved") {

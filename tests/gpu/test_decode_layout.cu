@@ -138,8 +138,10 @@ void check_layouts(int head_dim, const budget& b) {
     // A merge factor per chunk and query head; a ticket per (sequence, KV head).
     CHECK(ws.factor == bh * chunks * group * sizeof(float));
     CHECK(ws.tickets == bh * sizeof(unsigned));
-    // Query fragments: per (sequence, KV head), 2 * head_dim / 16 loads of 16 bytes for each of 32 lanes.
+    // Query fragments: per (sequence, KV head), 2 * head_dim / 16 loads of 16 bytes for each of 32
+    // lanes; with keys rotated one by one, e^{i j f_p} (j < 8, D/2 frequencies) per (sequence, KV head).
     CHECK(ws.q == bh * 32 * (2 * head_dim / 16) * 16);
+    CHECK(ws.table == (L.records == kernels::record_rotation::each_key ? bh * 8 * (head_dim / 2) * 8 : 0));
   }
   // Routing units: the whole layer, or one KV head each.
   CHECK(L.units == p.units);

@@ -31,7 +31,9 @@
 //                        each lane's register its fragment: record_value_fragments),
 //                        B = probabilities (bf16: high and low part), whose C->B fragment
 //                        layouts line up, so P never leaves registers.
-// The queries reach the CTAs as fragments (prepare_queries_kernel, once per sequence and KV head).
+// The queries reach the CTAs as fragments, prepared once per sequence and KV head (prepare_query):
+// by prepare_queries_kernel before the attention kernel, or, when a launch has a single chunk per
+// (sequence, KV head), by that chunk's CTA itself, so that no kernel runs before it.
 // The contraction index is the channel in mma order: a thread owns channels
 // 16s + {2t, 2t+1, 2t+8, 2t+9}, which holds both halves of every rotary pair.
 //
@@ -289,9 +291,11 @@ struct decode_arguments {
   /// before the first launch; every launch leaves them zero (the merging CTA resets its own).
   unsigned* tickets = nullptr;
   /// [batch][kv_heads][2 * head_dim / 16][32 lanes] uint4: the query of each KV head's group as the
-  /// decode kernel's lanes hold it (query_fragments), written by prepare_queries_kernel.
+  /// decode kernel's lanes hold it (query_fragments), written with prepare_query.
   uint4* q_fragments = nullptr;
-  float2* cs_table = nullptr;   ///< [8][head_dim/2]: e^{i j f_p}
+  /// [batch][kv_heads][8][head_dim/2]: e^{i j f_p}, for keys rotated one by one (records stored
+  /// before RoPE; no bytes otherwise), written with the (sequence, KV head)'s query.
+  float2* cs_table = nullptr;
   /// Items of one split-K chunk: a multiple of 8 up to 128, or 0 to let the launch choose
   /// (decode_chunk: nearly equal chunks of up to 128 items, whichever keeps the busiest CTA slot
   /// shortest).
@@ -320,7 +324,7 @@ struct decode_workspace {
     w.factor = bh * chunks * L.group * sizeof(float);
     w.tickets = bh * sizeof(unsigned);  // must start zeroed
     w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
-    w.table = static_cast<std::size_t>(8) * (L.head_dim / 2) * sizeof(float2);
+    w.table = L.records == record_rotation::each_key ? bh * 8 * (L.head_dim / 2) * sizeof(float2) : 0;
     return w;
   }
   /// Bytes of one device block that holds every part, each from a 256-byte boundary (bind).
@@ -781,7 +785,7 @@ __device__ __forceinline__ void score_codes(rope_layout layout, const record_for
   // e^{i (t0 + g) f_p} = e^{i t0 f_p} e^{i g f_p}; the second factor from the launch's table (L1).
   const float2* row = cs_j + g * (D / 2);
   auto rot = [&](float& a, float& b, int p) {
-    const float2 u = cs_t0[p], v = __ldg(row + p);
+    const float2 u = cs_t0[p], v = row[p];  // not the read-only path: with own_query, written in this grid
     const float cr = u.x * v.x - u.y * v.y, ci = u.y * v.x + u.x * v.y;
     const float a0 = a, b0 = b;
     a = a0 * cr - b0 * ci;
@@ -1160,78 +1164,110 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
   }
 }
 
-/// Threads of a prepare_queries_kernel block.
-constexpr int prepare_threads = 128;
+/// Threads that prepare one (sequence, KV head)'s query: a block of prepare_queries_kernel, or a CTA
+/// of the decode kernel.
+constexpr int prepare_threads = warps_per_cta * 32;
+/// Rotary pairs of a group of 8 heads that each thread takes.
+template <int D>
+constexpr int query_pairs_per_thread = 8 * (D / 2) / prepare_threads;
 
-/// One block per (sequence, KV head): the group's queries rotated to their position and scaled by
-/// log2(e)/sqrt(D), turned into the lanes' fragments (query_fragments) once, so that the decode
-/// kernel's CTAs (one per chunk) only load them; and e^{i j f_p} for j < 8.
-template <int D, bool Bf16, record_query RecordQuery>
-__global__ void __launch_bounds__(prepare_threads) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
-  // The decode kernel's CTAs may start now: they describe their items until they need the query.
-  grid::let_next_kernel_start();
-  const int b = blockIdx.x, h = blockIdx.y;
+/// What prepare_query reads from global memory besides the position, loaded first and together so
+/// that a CTA waits for memory once: thread i's pairs i, i + prepare_threads, ... of the group's
+/// queries (pair e: head e / (D/2), rotary pair e % (D/2)) and inverse frequency i (i < D/2).
+template <int D>
+struct query_inputs {
+  float2 x[query_pairs_per_thread<D>];
+  double inv_freq;
+};
+
+template <int D>
+__device__ __forceinline__ query_inputs<D> load_query_inputs(const decode_layout& L, const decode_arguments& A, int b, int h) {
+  static_assert(D / 2 <= prepare_threads, "prepare_query: one thread per rotation angle");
   const int G = L.group;
-  const float scale = log2e * rsqrtf(static_cast<float>(D));
-  __shared__ float2 cs_s[D / 2];
-  __shared__ float q_s[8][D];  // the group, rotated and scaled
-  // This kernel is on every decode step's critical path (the decode kernel waits for all of it):
-  // the loads that need nothing else go out first and together, the group's queries with the
-  // inverse frequencies and the lane's position (two dependent loads), so that the block waits
-  // for memory about twice instead of three times. Thread i takes the group's pairs i,
-  // i + prepare_threads, ... (pair e: head e / (D/2), rotary pair e % (D/2)).
-  static_assert(D / 2 <= prepare_threads, "prepare_queries_kernel: one thread per rotation angle");
-  constexpr int max_pairs = 8 * (D / 2) / prepare_threads;  // per thread, for a group of 8 heads
-  float2 x[max_pairs];
+  query_inputs<D> in;
   const float* q = A.q + (static_cast<std::size_t>(b) * L.kv_heads + h) * G * D;
 #pragma unroll
-  for (int k = 0; k < max_pairs; ++k) {
+  for (int k = 0; k < query_pairs_per_thread<D>; ++k) {
     const int e = threadIdx.x + k * prepare_threads;
+    in.x[k] = make_float2(0.f, 0.f);
     if (e < G * (D / 2)) {
       int ia, ib;
       ::qevict::rope::rotary::pair(L.layout, D, e % (D / 2), ia, ib);
-      x[k] = make_float2(q[(e / (D / 2)) * D + ia], q[(e / (D / 2)) * D + ib]);
+      in.x[k] = make_float2(q[(e / (D / 2)) * D + ia], q[(e / (D / 2)) * D + ib]);
     }
   }
-  const double inv_freq = threadIdx.x < D / 2 ? A.inv_freq[threadIdx.x] : 0.0;
-  const lane_state lane = A.lanes[A.batch_lanes[b]];
-  const long long position = lane.first_position + lane.tokens - 1;
-  // Every query head turns by the same D/2 angles: each is computed once per block (a
-  // double-precision reduction and sincosf) rather than once per head.
+  in.inv_freq = threadIdx.x < D / 2 ? A.inv_freq[threadIdx.x] : 0.0;
+  return in;
+}
+
+/// Shared memory prepare_query works in: the group's rotated queries and the D/2 rotations.
+template <int D>
+constexpr int query_scratch_bytes = 8 * D * sizeof(float) + (D / 2) * sizeof(float2);
+
+/// One (sequence b, KV head h)'s query, by prepare_threads threads: the group's queries rotated to
+/// `position` and scaled by log2(e)/sqrt(D), turned into every lane's fragments (query_fragments)
+/// at the pair's place in A.q_fragments; with keys rotated one by one (Table), e^{i j f_p} for
+/// j < 8 at its place in A.cs_table. `scratch`: query_scratch_bytes<D> of shared memory, 16-byte
+/// aligned. Every thread calls it; what it writes is the block's after its next barrier.
+template <int D, bool Bf16, record_query RecordQuery, bool Table>
+__device__ __forceinline__ void prepare_query(const decode_layout& L, const decode_arguments& A, int b, int h,
+                                              const query_inputs<D>& in, long long position, std::uint8_t* scratch) {
+  const int G = L.group;
+  const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
+  const float scale = log2e * rsqrtf(static_cast<float>(D));
+  float(*q_s)[D] = reinterpret_cast<float(*)[D]>(scratch);  // the group, rotated and scaled
+  float2* cs_s = reinterpret_cast<float2*>(scratch + 8 * D * sizeof(float));
+  // Every query head turns by the same D/2 angles: each is computed once (a double-precision
+  // reduction and sincosf) rather than once per head.
   if (threadIdx.x < D / 2) {
     float c, s;
-    thread::rope_cos_sin(position, inv_freq, c, s);
+    thread::rope_cos_sin(position, in.inv_freq, c, s);
     cs_s[threadIdx.x] = make_float2(c, s);
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < max_pairs; ++k) {
+  for (int k = 0; k < query_pairs_per_thread<D>; ++k) {
     const int e = threadIdx.x + k * prepare_threads;
     if (e < G * (D / 2)) {
       const int hg = e / (D / 2), p = e % (D / 2);
       int ia, ib;
       ::qevict::rope::rotary::pair(L.layout, D, p, ia, ib);
       const float c = cs_s[p].x, s = cs_s[p].y;
-      q_s[hg][ia] = (x[k].x * c - x[k].y * s) * scale;
-      q_s[hg][ib] = (x[k].x * s + x[k].y * c) * scale;
+      q_s[hg][ia] = (in.x[k].x * c - in.x[k].y * s) * scale;
+      q_s[hg][ib] = (in.x[k].x * s + in.x[k].y * c) * scale;
     }
   }
   __syncthreads();
-  // [load j][lane]: each of the kernel's loads reads 512 contiguous bytes.
-  uint4* out = A.q_fragments + (static_cast<std::size_t>(b) * L.kv_heads + h) * (2 * D / 16) * 32;
-  for (int e = threadIdx.x; e < 32 * (D / 16); e += blockDim.x) {
+  // [load j][lane]: each of the decode kernel's loads reads 512 contiguous bytes.
+  uint4* out = A.q_fragments + bh * (2 * D / 16) * 32;
+  for (int e = threadIdx.x; e < 32 * (D / 16); e += prepare_threads) {
     const int l = e % 32, s = e / 32;
     uint4 first, second;
     query_fragments<D, Bf16, RecordQuery>(&q_s[0][0], G, l >> 2, l & 3, s, first, second);
     out[s * 32 + l] = first;
     out[(D / 16 + s) * 32 + l] = second;
   }
-  if (b == 0 && h == 0)
-    for (int e = threadIdx.x; e < 8 * (D / 2); e += blockDim.x) {
+  if constexpr (Table) {
+    float2* table = A.cs_table + bh * 8 * (D / 2);
+    for (int e = threadIdx.x; e < 8 * (D / 2); e += prepare_threads) {
       float c, s;
       thread::rope_cos_sin(e / (D / 2), A.inv_freq[e % (D / 2)], c, s);
-      A.cs_table[e] = make_float2(c, s);
+      table[e] = make_float2(c, s);
     }
+  }
+}
+
+/// One block per (sequence, KV head): prepare_query before a decode kernel of several chunks per
+/// (sequence, KV head), whose CTAs then only load the fragments.
+template <int D, bool Bf16, record_query RecordQuery, bool Table>
+__global__ void __launch_bounds__(prepare_threads) prepare_queries_kernel(const decode_layout L, const decode_arguments A) {
+  // The decode kernel's CTAs may start now: they describe their items until they need the query.
+  grid::let_next_kernel_start();
+  const int b = blockIdx.x, h = blockIdx.y;
+  __shared__ __align__(16) std::uint8_t scratch[query_scratch_bytes<D>];
+  const query_inputs<D> in = load_query_inputs<D>(L, A, b, h);
+  const lane_state lane = A.lanes[A.batch_lanes[b]];
+  prepare_query<D, Bf16, RecordQuery, Table>(L, A, b, h, in, lane.first_position + lane.tokens - 1, scratch);
 }
 
 /// ‖v‖ of the tokens 2t and 2t+1 of a staged item of token rows (values in rows 8-15), for
@@ -1337,6 +1373,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // KV heads vary fastest in the grid: the CTAs of one chunk's heads run together, and since a Full
   // slot or a ledger record holds all heads of its window side by side, they read it as one block.
   const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z;
+  // A launch of one chunk per (sequence, KV head) has no query kernel before it: each CTA prepares
+  // its own query, whose inputs it loads first (they need nothing else).
+  const bool own_query = gridDim.y == 1;
+  const query_inputs<D> query_in = own_query ? load_query_inputs<D>(L, A, b, h) : query_inputs<D>{};
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
   const int list = list_of(L, lane_index, h);
@@ -1395,12 +1435,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   std::uint32_t qf[D / 16][4];
   float qr[QueryPerWindow ? D / 16 : 1][4];
   // The query fragments and the e^{i j f} table are prepare_queries_kernel's output
-  // (launch_dependent); everything else this kernel reads was written before that kernel started.
-  // Each loop below waits for it once its first pairs' copies are in flight, so that those copies
-  // overlap the end of that kernel.
+  // (launch_dependent), or this CTA's own (own_query); everything else this kernel reads was
+  // written before that kernel started. Each loop below waits for it once its first pairs' copies
+  // are in flight, so that those copies overlap the end of that kernel.
+  // The (sequence, KV head) index, formed from the block's indices where it is used.
+  auto pair_index = [&] { return static_cast<std::size_t>(b) * L.kv_heads + h; };
   auto load_query = [&] {
-    grid::wait_for_previous_kernel();
-    const uint4* frag = A.q_fragments + (static_cast<std::size_t>(b) * L.kv_heads + h) * (2 * D / 16) * 32 + lane_id;
+    grid::wait_for_previous_kernel();  // nothing to wait for with own_query: an ordinary launch
+    const uint4* frag = A.q_fragments + pair_index() * (2 * D / 16) * 32 + lane_id;
 #pragma unroll
     for (int s = 0; s < D / 16; ++s) {
       const uint4 x = frag[s * 32];
@@ -1422,6 +1464,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // the general one, which serves every kind.
   constexpr bool RecordLoop = Fp16Records && W == 8 && FullBits == 0;
   __syncthreads();  // items_s and record_pairs_s are written
+  if (own_query) {
+    // In the stages, before the first copy: the fragments are the CTA's after the barrier.
+    static_assert(query_scratch_bytes<D> <= warps_per_cta * stages * 2 * item_bytes<D>, "the stages hold prepare_query's scratch");
+    prepare_query<D, Bf16, record_query_of<Records, Bits>, RotateRecords>(L, A, b, h, query_in,
+                                                                         lane.first_position + lane.tokens - 1, stage_s);
+    __syncthreads();
+  }
   const int n_pairs = (chunk_items + 1) / 2;
   int record_first = 0, record_last = 0;
   if constexpr (RecordLoop) {
@@ -1632,7 +1681,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
               if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
               score_record<D>(s_item, g, t, qf, c);
             } else {
-              score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table, cs_t0, qa, c);
+              score_item<D, Bf16, Bits, FullBits, RotateRecords>(L, kind, s_item, g, t, lane_id, A.cs_table + pair_index() * 8 * (D / 2),
+                                                                 cs_t0, qa, c);
             }
           };
           score(kind_a, s_a, cs_a, ca);
@@ -1749,7 +1799,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   __syncthreads();
 
   // CTA merge: common max per head, then this chunk's partial (output, max, sum).
-  const std::size_t bh = static_cast<std::size_t>(b) * L.kv_heads + h;
+  const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
     const int hg = e / D, c = e % D;
@@ -1960,13 +2010,20 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // The CTA that merges a (sequence, KV head) keeps a factor per chunk and query head in its stages.
   qevict::detail::require(static_cast<std::size_t>(chunks) * L.group * sizeof(float) <= detail::dynamic_smem_bytes<D> - detail::stage_alignment,
                           "decode_attention: too many chunks to merge in one CTA (raise items_per_chunk)");
-  detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>>
-      <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
-  QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
-  // The kernel and the merge start while the kernel before them ends (kernels/dependent_launch.cuh):
-  // at batch 1 and short contexts the launch gaps are a good part of the step.
+  // The kernels after the first start while the kernel before them ends (kernels/dependent_launch.cuh):
+  // at batch 1 and short contexts the launch gaps are a good part of the step. With one chunk per
+  // (sequence, KV head) the decode kernel's CTAs prepare their queries themselves (own_query) and
+  // it is the first kernel: an ordinary launch, since it reads what the calls before it wrote.
   const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
-  launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
+  if (chunks == 1) {
+    kernel<<<grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream>>>(L, a);
+    QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+  } else {
+    detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>, Records == record_rotation::each_key>
+        <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
+    QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
+    launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
+  }
   if constexpr (EmitMass) {
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
