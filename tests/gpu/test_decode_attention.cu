@@ -284,11 +284,11 @@ TEST_CASE("decode attention over window-relative keys matches the host backend")
 }
 
 TEST_CASE("decode attention with every split-K chunk size") {
-  // From 8 items (dozens of chunks per lane) to 128 (one to three), and the launch's own choice
-  // (0), for every key frame: each chunk's masses and partial outputs must meet in the merge
-  // whichever chunk wrote them.
+  // From 8 items (dozens of chunks per lane) to the longest chunk (one or two), and the launch's
+  // own choice (0), for every key frame: each chunk's masses and partial outputs must meet in the
+  // merge whichever chunk wrote them.
   unsigned seed = 9000;
-  for (int ipc : {8, 16, 64, 128, 0}) {
+  for (int ipc : {8, 16, 64, 128, kernels::max_items_per_chunk(8), 0}) {
     CAPTURE(ipc);
     run_case(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 3000, ipc}, seed++);
     run_case<cfg_post_rope>(case_spec{64, 8, 7, element_type::f16, budget::fraction(0.05), rope_layout::rotate_half, 3000, ipc}, seed++);
@@ -298,12 +298,13 @@ TEST_CASE("decode attention with every split-K chunk size") {
 }
 
 TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own query") {
-  // Lanes of at most 128 items in chunks of 128: the grid has one chunk per (sequence, KV head),
-  // and its CTAs rotate and split their queries themselves (with the paper's records, also the
-  // per-key rotation table), for every key frame, group and head_dim.
+  // Lanes of at most 128 items in chunks of 128, and lanes of more than 128 items in the longest
+  // chunk (described by the CTA's threads in two rounds): the grid has one chunk per (sequence,
+  // KV head), and its CTAs rotate and split their queries themselves (with the paper's records,
+  // also the per-key rotation table), for every key frame, group and head_dim.
   unsigned seed = 9500;
-  auto one = [](case_spec c) {
-    c.items_per_chunk = 128;
+  auto one = [](case_spec c, int chunk = 128) {
+    c.items_per_chunk = chunk;
     c.one_chunk = true;
     return c;
   };
@@ -312,6 +313,12 @@ TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own q
   run_case<cfg_post_rope>(one(case_spec{128, 4, 32, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 700}), seed++);
   run_case<cfg_window_relative>(one(case_spec{128, 1, 7, element_type::bf16, budget::fraction(0.2), rope_layout::interleaved, 700}), seed++);
   run_case(one(case_spec{64, 4, 1, element_type::f16, budget::everything(), rope_layout::rotate_half, 900}), seed++);
+  constexpr int longest = kernels::max_items_per_chunk(8);
+  static_assert(longest > 128, "the cases below need chunks of more than 128 items");
+  run_case(one(case_spec{128, 4, 7, element_type::bf16, budget::everything(), rope_layout::rotate_half, 1300}, longest), seed++);
+  run_case<cfg_post_rope>(one(case_spec{128, 4, 32, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 1400}, longest), seed++);
+  run_case<cfg_window_relative>(one(case_spec{64, 8, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
+  run_case(one(case_spec{128, 1, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
 }
 
 TEST_CASE("decode attention over window lists with the tiers interleaved") {

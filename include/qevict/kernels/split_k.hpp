@@ -3,7 +3,8 @@
 // by any C++ compiler (no CUDA needed): the chunk lengths the kernel supports, and the one an
 // automatic launch (decode_arguments::items_per_chunk = 0) takes.
 //
-//   const int chunk = qevict::kernels::decode_chunk(batch, kv_heads, max_items, resident_ctas, max_chunks);
+//   const int chunk = qevict::kernels::decode_chunk(batch, kv_heads, max_items, resident_ctas, max_chunks,
+//                                                   qevict::kernels::max_items_per_chunk(window));
 //
 // An item is 8 tokens (kernels/decode_attention.cuh); a CTA serves one chunk of one
 // (sequence, KV head), and the last CTA of a (sequence, KV head) to finish merges its chunks.
@@ -13,10 +14,13 @@
 
 namespace qevict::kernels {
 
-/// The longest split-K chunk the decode kernel supports: one thread of its 128 describes each item,
-/// and each item's mass per head stays in shared memory while the CTA runs. Chunks are multiples
-/// of 8 items (a warp takes two items at a time, a CTA has four warps).
-inline constexpr int max_items_per_chunk = 128;
+/// The longest split-K chunk the decode kernel supports for windows of `window` tokens. Its 128
+/// threads describe a chunk's items (one per thread and round), and each item's mass per head
+/// (one value per window of the item) stays in shared memory while the CTA runs: 192 items fit
+/// beside three CTAs per SM where an item holds at most one window's mass (W >= 8); with W < 8 an
+/// item holds 8/W masses, and 128 items keep the CTAs that fit an SM (two at W = 1). Chunks are
+/// multiples of 8 items (a warp takes two items at a time, a CTA has four warps).
+inline constexpr int max_items_per_chunk(int window) { return window >= 8 ? 192 : 128; }
 /// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk), and
 /// the chunk length its workspace is sized for over the layout's longest lane
 /// (decode_workspace::chunks_for), so that every automatic choice fits. In the chunk sweeps of
@@ -26,35 +30,44 @@ inline constexpr int min_automatic_chunk = 32;
 /// A CTA's fixed cost in items' worth of work (describing its items, the first pair's latency,
 /// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance.md.
 inline constexpr int chunk_fixed_cost = 24;
+/// What a launch of several chunks per (sequence, KV head) costs beyond one of a single chunk, in
+/// the same units: the query kernel that runs before its attention kernel, the merge of its
+/// partials and the window-mass kernel after it (a single chunk prepares its own query, merges
+/// itself, and adds its window masses in the grid's last CTA of each sequence). Fitted to the
+/// H200 at 32 sequences of 161 items (all Full) and of 139 (5 %), where one chunk a lane measured
+/// 9 % and 7 to 19 % faster than three (docs/performance.md).
+inline constexpr int several_chunks_cost = 32;
 
 /// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
 /// (sequence, KV head), on a GPU that holds `resident_ctas` decode CTAs at once, with a workspace
-/// for at most `max_chunks` chunks per (sequence, KV head).
+/// for at most `max_chunks` chunks per (sequence, KV head), and chunks of at most `longest` items
+/// (max_items_per_chunk of the cache's window).
 ///
 /// Each candidate splits a lane of max_items items into k nearly equal chunks, rounded up to a
 /// multiple of 8: ceil(max_items / k) for k = 1, 2, ..., ceil(max_items / min_automatic_chunk), at
-/// most max_items_per_chunk. Equal chunks matter: with a fixed 128, a lane of 293 items ends in a
-/// chunk of 37 while the others run 128; three chunks of 104 take the same CTAs and end sooner.
-/// A candidate's cost is its busiest CTA slot: waves = ceil(CTAs / resident_ctas), each as long as
-/// one chunk plus the fixed cost. The cheapest wins; on a tie, the longer chunk (fewer CTAs, fewer
-/// partials to merge). Where no candidate fits the workspace, max_items_per_chunk (the launch then
-/// reports that the workspace is too small).
-inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas, int max_chunks) {
+/// most `longest`. Equal chunks matter: with a fixed 128, a lane of 293 items ends in a chunk of 37
+/// while the others run 128; three chunks of 104 take the same CTAs and end sooner. A
+/// candidate's cost is its busiest CTA slot: waves = ceil(CTAs / resident_ctas), each as long as
+/// one chunk plus the fixed cost, plus several_chunks_cost where a lane has more than one chunk.
+/// The cheapest wins; on a tie, the longer chunk (fewer CTAs, fewer partials to merge). Where no
+/// candidate fits the workspace, `longest` (the launch then reports that the workspace is too
+/// small).
+inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas, int max_chunks, int longest) {
   const long long slots = std::max(1, resident_ctas);
   const long long lanes = static_cast<long long>(std::max(1, batch)) * std::max(1, kv_heads);
   const int items = std::max(1, max_items);
-  int best = max_items_per_chunk;
+  int best = longest;
   long long best_cost = std::numeric_limits<long long>::max();
   // Chunks of at most c items, for every multiple of 8 from the longest: k = ceil(items / c)
   // chunks, evened out to ceil(items / k) items rounded up to 8 (at most c). Every k whose even
   // chunk is in range is reached this way, and the even chunks come out longest first.
-  for (int c = max_items_per_chunk; c >= min_automatic_chunk; c -= 8) {
+  for (int c = longest / 8 * 8; c >= min_automatic_chunk; c -= 8) {
     const int k = (items + c - 1) / c;
     const int chunk = ((items + k - 1) / k + 7) / 8 * 8;
     const long long chunks = (items + chunk - 1) / chunk;
     if (chunks > max_chunks) continue;
     const long long waves = (lanes * chunks + slots - 1) / slots;
-    const long long cost = waves * (std::min(chunk, items) + chunk_fixed_cost);
+    const long long cost = waves * (std::min(chunk, items) + chunk_fixed_cost) + (chunks > 1 ? several_chunks_cost : 0);
     if (cost < best_cost) {
       best = chunk;
       best_cost = cost;

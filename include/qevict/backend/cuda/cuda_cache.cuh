@@ -64,9 +64,10 @@ class cuda_cache;
 /// Run-time settings of the CUDA backend.
 struct cuda_settings {
   cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
-  /// Split-K chunk of the decode kernel: a multiple of 8 up to 128 items, or 0 to choose per call
-  /// (kernels::decode_chunk: nearly equal chunks of up to 128 items, whichever keeps the busiest
-  /// CTA slot shortest).
+  /// Split-K chunk of the decode kernel: a multiple of 8 up to kernels::max_items_per_chunk(W)
+  /// items (192 for windows of at least 8 tokens, 128 below), or 0 to choose per call
+  /// (kernels::decode_chunk: nearly equal chunks of up to that many items, whichever keeps the
+  /// busiest CTA slot shortest).
   int items_per_chunk = 0;
 };
 
@@ -123,10 +124,11 @@ class cuda_cache {
     detail::require(lim.max_batch <= kernels::lane_list::capacity,
                     "backend::cuda: limits::max_batch must be at most " + std::to_string(kernels::lane_list::capacity));
     detail::require(set.items_per_chunk == 0 || (set.items_per_chunk % 8 == 0 && set.items_per_chunk >= 8 &&
-                                                 set.items_per_chunk <= kernels::max_items_per_chunk),
+                                                 set.items_per_chunk <= kernels::max_items_per_chunk(W::size)),
                     [&] {
                       return "backend::cuda: items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, " +
-                             std::to_string(kernels::max_items_per_chunk) + "], got " + std::to_string(set.items_per_chunk);
+                             std::to_string(kernels::max_items_per_chunk(W::size)) + "], got " +
+                             std::to_string(set.items_per_chunk);
                     });
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
     // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
