@@ -49,9 +49,7 @@
 // sum(exp(s - m_ref)) scaled to the CTA's max. The last CTA of a (sequence, KV head) to finish
 // (a ticket per pair) forms the log-sum-exp, the output and each chunk's factor exp(m_chunk - LSE)
 // (merge_chunks); decode_mass_kernel then adds each window's mass = sum over heads of that value *
-// its chunk's factor / H_q to its score, or, in a launch of one chunk per (sequence, KV head), the
-// last CTA of each sequence adds them (add_masses_if_last). No per-token probability is written
-// and K is read once.
+// its chunk's factor / H_q to its score. No per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1301,122 +1299,6 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
   return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
 }
 
-/// Window i's mass of this step in each routing unit of sequence b (the unit's i-th listed or
-/// recent window), added to its score: the sum over the unit's query heads of its items' values
-/// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads.
-/// masses_ready() runs before the first value is read: what comes before is routing state, which
-/// the decode kernel does not write. The values are read from L2 (ld.global.cg): other CTAs wrote
-/// them.
-template <int W, class Scorer, class Ready>
-__device__ __forceinline__ void add_window_mass(const decode_layout& L, const decode_arguments& A, int b, int i,
-                                                Ready&& masses_ready) {
-  const int lane_index = A.batch_lanes[b];
-  const lane_state lane = A.lanes[lane_index];
-  const int G = L.group, HQ = L.kv_heads * G;
-  // Thread i takes the i-th listed or recent window of every unit: the sum of its items' values
-  // (W > 8: its parts; W < 8: its share of one item) over the unit's heads, added to its score
-  // once. A unit's mass is divided by its query heads, so that a step's masses of one unit sum
-  // to 1 (the host's rule; with per-layer selection, all query heads).
-  constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
-  const int started = windows_started(lane.tokens, L.sinks, W);
-  const int first_item = L.sinks > 0 ? 1 : 0;
-  const int hu = L.heads_per_unit;
-  window_record* table = reinterpret_cast<window_record*>(A.arena + lane.region);
-  for (int u = 0; u < L.units; ++u) {
-    const int list = lane_index * L.units + u;
-    const int n_entries = A.entry_counts[list];
-    if (i >= n_entries + (started - lane.aged)) continue;
-    const int n_items = items_of<W>(L, lane, n_entries);
-    const bool listed = i < n_entries;
-    const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
-    const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
-    if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
-    const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
-    const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
-    window_record& rec = table[w * L.units + u];
-    const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
-    // Everything above is the routing state, which the decode kernel does not write; its masses
-    // and factors follow.
-    masses_ready();
-    // The unit's heads in order, each over its query heads, in a fixed order of additions. The
-    // values and factors of 4 heads are loaded into registers of their own before the first
-    // addition, so that all their loads are in flight at once (a register that the next load
-    // reused would wait for the addition, and so for the load before it); a group of 4 or 8 query
-    // heads is loaded in 16-byte pieces.
-    const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
-    const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
-    const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
-    const bool whole_pieces = G % 4 == 0;
-    float mass = 0.f;
-    for (int p = 0; p < P && item0 + p < n_items; ++p) {
-      const int li = item0 + p, c = li / A.items_per_chunk;
-      const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
-      const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
-      for (int k0 = 0; k0 < hu; k0 += 4) {
-        float v[4][8], w[4][8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (k0 + k >= hu) break;
-          const float* vk = pm + (k0 + k) * head_stride;
-          const float* wk = f + (k0 + k) * factor_stride;
-          if (whole_pieces) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q)
-              if (4 * q < G) {
-                const float4 a = __ldcg(reinterpret_cast<const float4*>(vk + 4 * q)), e = __ldcg(reinterpret_cast<const float4*>(wk + 4 * q));
-                v[k][4 * q] = a.x, v[k][4 * q + 1] = a.y, v[k][4 * q + 2] = a.z, v[k][4 * q + 3] = a.w;
-                w[k][4 * q] = e.x, w[k][4 * q + 1] = e.y, w[k][4 * q + 2] = e.z, w[k][4 * q + 3] = e.w;
-              }
-          } else {
-#pragma unroll
-            for (int hg = 0; hg < 8; ++hg)
-              if (hg < G) v[k][hg] = __ldcg(vk + hg), w[k][hg] = __ldcg(wk + hg);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (k0 + k >= hu) break;
-#pragma unroll
-          for (int hg = 0; hg < 8; ++hg)
-            if (hg < G) mass += v[k][hg] * w[k][hg];
-        }
-      }
-    }
-    mass /= static_cast<float>(HQ / L.units);
-    rec.score = Scorer::accumulate(score, mass);
-  }
-}
-
-/// In a launch of one chunk per (sequence, KV head), which has no mass kernel after it: the last
-/// of sequence b's KV-head CTAs to finish (a ticket per sequence) adds the sequence's window
-/// masses (add_window_mass, as decode_mass_kernel would), while the grid's other CTAs still run.
-/// The ticket is the sequence's first (sequence, KV head) ticket, which a launch of one chunk
-/// does not otherwise draw, and goes back to zero for the next launch.
-template <int W, class Scorer>
-__device__ __forceinline__ void add_masses_if_last(const decode_layout& L, const decode_arguments& A, int b) {
-  __shared__ bool last_s;
-  __syncthreads();  // every thread's masses and factors are written
-  if (threadIdx.x == 0) {
-    // Release (cumulative over the barrier above), and an acquire in the CTA that draws last, as
-    // for the merge's ticket.
-    unsigned* ticket = A.tickets + static_cast<std::size_t>(b) * L.kv_heads;
-    unsigned drawn;
-    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(ticket) : "memory");
-    const bool last = drawn == static_cast<unsigned>(L.kv_heads - 1);
-    if (last) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
-      *ticket = 0;
-    }
-    last_s = last;
-  }
-  __syncthreads();
-  if (!last_s) return;
-  // A lane of one chunk has at most items_per_chunk items, and so at most that many windows
-  // times the windows of an item.
-  const int windows = A.items_per_chunk * item_count::windows_per_item(W);
-  for (int i = threadIdx.x; i < windows; i += blockDim.x) add_window_mass<W, Scorer>(L, A, b, i, [] {});
-}
-
 /// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
 /// each query head's log-sum-exp over the chunks, its output, and (EmitMass) each chunk's factor
 /// exp2(m_chunk - LSE) for the window masses (decode_mass_kernel). factor_s: n_chunks * group
@@ -1482,11 +1364,10 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
 
 /// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
 /// quantized (full_tier::quantized_as), 0 when they hold token rows.
-template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits, class Scorer>
+template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits = 0,
+          bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
-  // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
-  constexpr bool ValueWeighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
   constexpr int max_items = max_items_per_chunk(W);
   constexpr bool RotateRecords = Records == record_rotation::each_key;
   constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
@@ -1993,9 +1874,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     if (!merges_s) return;
   }
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
-  if constexpr (EmitMass) {
-    if (gridDim.y == 1) add_masses_if_last<W, Scorer>(L, A, b);  // one chunk a lane: no mass kernel
-  }
 }
 
 /// Threads per CTA of the window-mass kernel. Its threads hold 4 heads' values and factors at once
@@ -2004,13 +1882,89 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 /// an SM, and that grid in two waves).
 constexpr int mass_threads = 128;
 
-/// Window masses of a launch of several chunks per (sequence, KV head) with EmitMass, after the
-/// decode kernel has merged its chunks: each listed or recent window's mass (add_window_mass)
+/// Window masses of a launch with EmitMass, after the decode kernel has merged its chunks: each
+/// listed or recent window's mass is the sum over its unit's query heads of its items' values
+/// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads, and
 /// goes into its score. Grid: (x, batch), one thread per window.
 template <int W, class Scorer>
 __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
-  add_window_mass<W, Scorer>(L, A, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x),
-                             [] { grid::wait_for_previous_kernel(); });  // launch_dependent
+  const int b = blockIdx.y;
+  const int lane_index = A.batch_lanes[b];
+  const lane_state lane = A.lanes[lane_index];
+  const int G = L.group, HQ = L.kv_heads * G;
+  // Thread i takes the i-th listed or recent window of every unit: the sum of its items' values
+  // (W > 8: its parts; W < 8: its share of one item) over the unit's heads, added to its score
+  // once. A unit's mass is divided by its query heads, so that a step's masses of one unit sum
+  // to 1 (the host's rule; with per-layer selection, all query heads).
+  constexpr int S = item_count::windows_per_item(W), P = W >= 8 ? W / 8 : 1;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int started = windows_started(lane.tokens, L.sinks, W);
+  const int first_item = L.sinks > 0 ? 1 : 0;
+  const int hu = L.heads_per_unit;
+  window_record* table = reinterpret_cast<window_record*>(A.arena + lane.region);
+  for (int u = 0; u < L.units; ++u) {
+    const int list = lane_index * L.units + u;
+    const int n_entries = A.entry_counts[list];
+    if (i >= n_entries + (started - lane.aged)) continue;
+    const int n_items = items_of<W>(L, lane, n_entries);
+    const bool listed = i < n_entries;
+    const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
+    const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
+    if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
+    const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
+    const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
+    window_record& rec = table[w * L.units + u];
+    const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
+    // Everything above is the routing state, which the decode kernel does not write; its masses
+    // and factors follow (launch_dependent).
+    grid::wait_for_previous_kernel();
+    // The unit's heads in order, each over its query heads, in a fixed order of additions. The
+    // values and factors of 4 heads are loaded into registers of their own before the first
+    // addition, so that all their loads are in flight at once (a register that the next load
+    // reused would wait for the addition, and so for the load before it); a group of 4 or 8 query
+    // heads is loaded in 16-byte pieces.
+    const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
+    const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
+    const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
+    const bool whole_pieces = G % 4 == 0;
+    float mass = 0.f;
+    for (int p = 0; p < P && item0 + p < n_items; ++p) {
+      const int li = item0 + p, c = li / A.items_per_chunk;
+      const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
+      const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
+      for (int k0 = 0; k0 < hu; k0 += 4) {
+        float v[4][8], w[4][8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k0 + k >= hu) break;
+          const float* vk = pm + (k0 + k) * head_stride;
+          const float* wk = f + (k0 + k) * factor_stride;
+          if (whole_pieces) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q)
+              if (4 * q < G) {
+                const float4 a = *reinterpret_cast<const float4*>(vk + 4 * q), e = *reinterpret_cast<const float4*>(wk + 4 * q);
+                v[k][4 * q] = a.x, v[k][4 * q + 1] = a.y, v[k][4 * q + 2] = a.z, v[k][4 * q + 3] = a.w;
+                w[k][4 * q] = e.x, w[k][4 * q + 1] = e.y, w[k][4 * q + 2] = e.z, w[k][4 * q + 3] = e.w;
+              }
+          } else {
+#pragma unroll
+            for (int hg = 0; hg < 8; ++hg)
+              if (hg < G) v[k][hg] = vk[hg], w[k][hg] = wk[hg];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if (k0 + k >= hu) break;
+#pragma unroll
+          for (int hg = 0; hg < 8; ++hg)
+            if (hg < G) mass += v[k][hg] * w[k][hg];
+        }
+      }
+    }
+    mass /= static_cast<float>(HQ / L.units);
+    rec.score = Scorer::accumulate(score, mass);
+  }
 }
 
 }  // namespace detail
@@ -2052,7 +2006,9 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   if (args.batch == 0) return;
   constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
-  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, Scorer>;
+  // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
+  constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
+  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted>;
   // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
   // first launch; it only steers the automatic chunk), when its shared memory is set.
   static const int resident_ctas = [] {
@@ -2075,9 +2031,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   // The kernels after the first start while the kernel before them ends (kernels/dependent_launch.cuh):
   // at batch 1 and short contexts the launch gaps are a good part of the step. With one chunk per
   // (sequence, KV head) the decode kernel's CTAs prepare their queries themselves (own_query) and
-  // it is the first kernel: an ordinary launch, since it reads what the calls before it wrote. Its
-  // window masses are added by the last CTA of each sequence (add_masses_if_last), so that no mass
-  // kernel follows it either.
+  // it is the first kernel: an ordinary launch, since it reads what the calls before it wrote.
   const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
   if (chunks == 1) {
     kernel<<<grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream>>>(L, a);
@@ -2089,15 +2043,13 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
   }
   if constexpr (EmitMass) {
-    if (chunks > 1) {
-      // One thread for every window of the longest lane (max_items items hold at most
-      // max_items * 8 / W windows for W < 8).
-      const int max_windows = max_items * item_count::windows_per_item(W);
-      launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer>,
-                       dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
-                       dim3(detail::mass_threads), 0,
-                       stream, L, a);
-    }
+    // One thread for every window of the longest lane (max_items items hold at most
+    // max_items * 8 / W windows for W < 8).
+    const int max_windows = max_items * item_count::windows_per_item(W);
+    launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer>,
+                     dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
+                     dim3(detail::mass_threads), 0,
+                     stream, L, a);
   }
 }
 
