@@ -32,9 +32,10 @@ inline constexpr int min_automatic_chunk = 32;
 inline constexpr int chunk_fixed_cost = 24;
 /// What a launch of several chunks per (sequence, KV head) costs beyond one of a single chunk, in
 /// the same units: the query kernel that runs before its attention kernel and the merge of its
-/// partials (a single chunk prepares its own query and merges itself). Fitted to the H200 at 32
+/// partials (a single chunk prepares its own query and merges itself). Set by the H200 at 32
 /// sequences of 161 items (all Full) and of 139 (5 %), where one chunk a lane measured 9 % and
-/// 7 to 19 % faster than three (docs/performance.md).
+/// 7 to 19 % faster than three (docs/performance.md): any value of at least 25 chooses one chunk
+/// there, and the same chunks at every point of the benchmark table.
 inline constexpr int several_chunks_cost = 32;
 
 /// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
