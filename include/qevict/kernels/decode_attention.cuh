@@ -1368,7 +1368,7 @@ template <int D, element_type E, bool EmitMass, record_rotation Records, int W, 
           bool ValueWeighted = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
-  constexpr int max_items = max_items_per_chunk(W);
+  constexpr int chunk_capacity = max_items_per_chunk(W);  // items a chunk of this kernel can hold
   constexpr bool RotateRecords = Records == record_rotation::each_key;
   constexpr bool QueryPerWindow = Records == record_rotation::query_per_window;
   // Ledger records on the exact fp16 path (record_query_of).
@@ -1401,7 +1401,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
-  constexpr int mass_items = EmitMass ? max_items : 1;
+  constexpr int mass_items = EmitMass ? chunk_capacity : 1;
   extern __shared__ __align__(128) std::uint8_t dynamic_s[];
   // [warp][stage][2 items][item_bytes], from a stage_alignment boundary (chunk_step)
   std::uint8_t* const stage_s = dynamic_s + (-warp::shared_address(dynamic_s) & (stage_alignment - 1));
@@ -1410,14 +1410,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // CTAs per SM (max_items_per_chunk).
   __shared__ float mass_s[mass_items][S][8];
   __shared__ float3 mlz_s[warps_per_cta][8];
-  __shared__ item_ref items_s[max_items];         // this chunk's items, pairs padded with empty ones
-  __shared__ std::uint32_t rows_s[W < 8 ? max_items : 1][8];  // kind-3 items' key-row offsets
+  __shared__ item_ref items_s[chunk_capacity];  // this chunk's items, pairs padded with empty ones
+  __shared__ std::uint32_t rows_s[W < 8 ? chunk_capacity : 1][8];  // kind-3 items' key-row offsets
 
   const std::uint8_t* region = reinterpret_cast<const std::uint8_t*>(A.arena) + lane.region;
   // The threads describe the items, thread i items i, i + 128, ..., and the warp's ballot marks
   // the items of its pairs of two ledger records: bit l of record_pairs_s[4 r + w] is item
   // 128 r + 32 w + l.
-  constexpr int description_rounds = (max_items + warps_per_cta * 32 - 1) / (warps_per_cta * 32);
+  constexpr int description_rounds = (chunk_capacity + warps_per_cta * 32 - 1) / (warps_per_cta * 32);
   __shared__ std::uint32_t record_pairs_s[description_rounds * warps_per_cta];
   {
     const head_sections at = sections_of<2, FullBits>(L, region, h);
