@@ -42,8 +42,9 @@ struct case_spec {
   /// reference maximum is raised again and again while the kernel runs through its items.
   float query_scale = 1.0f;
   /// Requires every lane to fit one chunk: the launch then has no query kernel, and each CTA
-  /// prepares its own query.
+  /// prepares its own query and writes its output without a merge.
   bool one_chunk = false;
+  int kv_heads = 2;  ///< q_heads = kv_heads * group
 };
 
 struct built_cache {
@@ -94,8 +95,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   std::mt19937 rng(seed);
   geometry g;
   g.layers = 1;
-  g.kv_heads = 2;
-  g.q_heads = 2 * spec.group;
+  g.kv_heads = spec.kv_heads;
+  g.q_heads = spec.kv_heads * spec.group;
   g.head_dim = spec.head_dim;
   g.element = spec.element;
   g.rope.theta = 500000.0f;
@@ -319,6 +320,16 @@ TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own q
   run_case<cfg_post_rope>(one(case_spec{128, 4, 32, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 1400}, longest), seed++);
   run_case<cfg_window_relative>(one(case_spec{64, 8, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
   run_case(one(case_spec{128, 1, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
+  // More KV heads than the other cases' 2: 8 (Llama-3's) and 16, for whose masses the mass
+  // kernel sums over as many CTAs' values.
+  auto heads = [](case_spec c, int kv_heads) {
+    c.kv_heads = kv_heads;
+    return c;
+  };
+  run_case<cfg_post_rope>(one(heads(case_spec{128, 4, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 1400}, 8), longest), seed++);
+  run_case(one(heads(case_spec{64, 2, 3, element_type::f16, budget::everything(), rope_layout::interleaved, 900}, 8)), seed++);
+  run_case<cfg_window_relative>(one(heads(case_spec{128, 1, 3, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 1400}, 16), longest), seed++);
+  run_case(one(heads(case_spec{64, 1, 7, element_type::bf16, budget::fraction(0.05), rope_layout::rotate_half, 3000}, 16), longest), seed++);
 }
 
 TEST_CASE("decode attention over window lists with the tiers interleaved") {

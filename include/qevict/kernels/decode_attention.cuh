@@ -48,8 +48,10 @@
 // Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
 // sum(exp(s - m_ref)) scaled to the CTA's max. The last CTA of a (sequence, KV head) to finish
 // (a ticket per pair) forms the log-sum-exp, the output and each chunk's factor exp(m_chunk - LSE)
-// (merge_chunks); decode_mass_kernel then adds each window's mass = sum over heads of that value *
-// its chunk's factor / H_q to its score. No per-token probability is written and K is read once.
+// (merge_chunks); a (sequence, KV head) whose items fit one chunk is finished by its CTA alone (the
+// output normalised in place, its factor written directly). decode_mass_kernel then adds each
+// window's mass = sum over heads of that value * its chunk's factor / H_q to its score. No
+// per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1811,7 +1813,12 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   __syncthreads();
 
-  // CTA merge: common max per head, then this chunk's partial (output, max, sum).
+  // CTA merge: common max per head, then this chunk's partial (output, max, sum). A CTA alone on
+  // its (sequence, KV head) — a lane of one chunk, as every lane of a launch without the query
+  // kernel — holds the whole: it writes the output normalised and, for the mass kernel, its
+  // chunk's factor, and nothing is merged (no partials go through global memory and back).
+  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
+  const bool alone = n_chunks <= 1;
   const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
@@ -1827,8 +1834,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       acc += f * (o_of(w)[hg][c] + mlz.z);
       l += f * mlz.y;
     }
-    A.part_o[chunk_row * G * D + e] = acc;
-    if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
+    if (alone) {
+      A.out[bh * G * D + e] = l > 0.f ? acc / l : 0.f;  // a head without tokens: zeros, as merged
+      // exp2(M - LSE), LSE = M + log2(l): merge_chunks's factor for a single chunk.
+      if (EmitMass && c == 0) A.part_factor[chunk_row * G + hg] = M == -INFINITY ? 0.f : exp2_sfu(M - (M + log2f(l)));
+    } else {
+      A.part_o[chunk_row * G * D + e] = acc;
+      if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
+    }
   }
   if constexpr (EmitMass) {
     // part_mass[b][h][item][window of the item][head of the group], relative to the CTA's maximum.
@@ -1849,30 +1862,29 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
   }
 
+  if (alone) return;  // the output is written
+
   // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
   // once its partials are written, and the one that draws the last merges them, while the other
   // CTAs of the grid still run; a separate merge kernel would wait for the whole grid, then load
-  // the partials in a chain of dependent round trips. A single chunk merges itself.
-  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
+  // the partials in a chain of dependent round trips.
   __shared__ bool merges_s;
   __syncthreads();  // every thread's partials are written; the stages (o_of) are read
-  if (n_chunks > 1) {
-    if (threadIdx.x == 0) {
-      // Release (cumulative over the barrier above): this CTA's partials are visible to the CTA
-      // that draws the last ticket, which acquires them. Only that one fences after the ticket:
-      // an acquire also empties the SM's L1, under the CTAs that still run there.
-      unsigned drawn;
-      asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(A.tickets + bh) : "memory");
-      const bool last = drawn == static_cast<unsigned>(n_chunks - 1);
-      if (last) {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
-        A.tickets[bh] = 0;  // for the next launch, which the stream orders after this one
-      }
-      merges_s = last;
+  if (threadIdx.x == 0) {
+    // Release (cumulative over the barrier above): this CTA's partials are visible to the CTA
+    // that draws the last ticket, which acquires them. Only that one fences after the ticket:
+    // an acquire also empties the SM's L1, under the CTAs that still run there.
+    unsigned drawn;
+    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(A.tickets + bh) : "memory");
+    const bool last = drawn == static_cast<unsigned>(n_chunks - 1);
+    if (last) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
+      A.tickets[bh] = 0;  // for the next launch, which the stream orders after this one
     }
-    __syncthreads();
-    if (!merges_s) return;
+    merges_s = last;
   }
+  __syncthreads();
+  if (!merges_s) return;
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
