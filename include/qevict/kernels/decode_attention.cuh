@@ -1301,6 +1301,10 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
   return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
 }
 
+/// A chunk's factor for the window masses of one query head, exp2(m_chunk - LSE): 0 for a chunk
+/// that saw no token of that head (m_chunk = -inf).
+__device__ __forceinline__ float chunk_factor(float m_chunk, float lse) { return m_chunk == -INFINITY ? 0.f : exp2_sfu(m_chunk - lse); }
+
 /// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
 /// each query head's log-sum-exp over the chunks, its output, and (EmitMass) each chunk's factor
 /// exp2(m_chunk - LSE) for the window masses (decode_mass_kernel). factor_s: n_chunks * group
@@ -1342,7 +1346,7 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
     if (head)
       for (int c = sub; c < n_chunks; c += span) {
         const float m = factor_s[c * G + hg];
-        const float f = m == -INFINITY ? 0.f : exp2_sfu(m - lse);
+        const float f = chunk_factor(m, lse);
         factor_s[c * G + hg] = f;
         if constexpr (EmitMass) A.part_factor[(row0 + c) * G + hg] = f;
       }
@@ -1817,8 +1821,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // its (sequence, KV head) — a lane of one chunk, as every lane of a launch without the query
   // kernel — holds the whole: it writes the output normalised and, for the mass kernel, its
   // chunk's factor, and nothing is merged (no partials go through global memory and back).
-  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
-  const bool alone = n_chunks <= 1;
+  const bool alone = n_items <= A.items_per_chunk;  // at most one chunk
   const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
@@ -1836,8 +1839,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
     if (alone) {
       A.out[bh * G * D + e] = l > 0.f ? acc / l : 0.f;  // a head without tokens: zeros, as merged
-      // exp2(M - LSE), LSE = M + log2(l): merge_chunks's factor for a single chunk.
-      if (EmitMass && c == 0) A.part_factor[chunk_row * G + hg] = M == -INFINITY ? 0.f : exp2_sfu(M - (M + log2f(l)));
+      // The chunk's factor with LSE = M + log2(l), as merge_chunks forms it for a single chunk.
+      if (EmitMass && c == 0) A.part_factor[chunk_row * G + hg] = chunk_factor(M, M + log2f(l));
     } else {
       A.part_o[chunk_row * G * D + e] = acc;
       if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
@@ -1868,6 +1871,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // once its partials are written, and the one that draws the last merges them, while the other
   // CTAs of the grid still run; a separate merge kernel would wait for the whole grid, then load
   // the partials in a chain of dependent round trips.
+  const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
   __shared__ bool merges_s;
   __syncthreads();  // every thread's partials are written; the stages (o_of) are read
   if (threadIdx.x == 0) {
