@@ -48,7 +48,7 @@
 // Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
 // sum(exp(s - m_ref)) scaled to the CTA's max. The last CTA of a (sequence, KV head) to finish
 // (a ticket per pair) forms the log-sum-exp, the output and each chunk's factor exp(m_chunk - LSE)
-// (merge_chunks); a (sequence, KV head) whose items fit one chunk is finished by its CTA alone (the
+// (merge_chunks); in a launch of one chunk per (sequence, KV head) each CTA finishes its pair alone (the
 // output normalised in place, its factor written directly). decode_mass_kernel then adds each
 // window's mass = sum over heads of that value * its chunk's factor / H_q to its score. No
 // per-token probability is written and K is read once.
@@ -1817,11 +1817,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   __syncthreads();
 
-  // CTA merge: common max per head, then this chunk's partial (output, max, sum). A CTA alone on
-  // its (sequence, KV head) — a lane of one chunk, as every lane of a launch without the query
-  // kernel — holds the whole: it writes the output normalised and, for the mass kernel, its
-  // chunk's factor, and nothing is merged (no partials go through global memory and back).
-  const bool alone = n_items <= A.items_per_chunk;  // at most one chunk
+  // CTA merge: common max per head, then this chunk's partial (output, max, sum). In a launch of
+  // one chunk per (sequence, KV head) — the launches without the query kernel — every CTA holds
+  // its pair's whole: it writes the output normalised and, for the mass kernel, its chunk's
+  // factor, and nothing is merged (no partials go through global memory and back). In a launch
+  // of several chunks, a short lane's single chunk takes the merge like the others (finishing it
+  // alone there too measured slower: docs/performance.md, v23c).
+  const bool alone = own_query;  // one chunk per (sequence, KV head) in this launch
   const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
   for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
