@@ -1821,8 +1821,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // one chunk per (sequence, KV head) — the launches without the query kernel — every CTA holds
   // its pair's whole: it writes the output normalised and, for the mass kernel, its chunk's
   // factor, and nothing is merged (no partials go through global memory and back). In a launch
-  // of several chunks, a short lane's single chunk takes the merge like the others (finishing it
-  // alone there too measured slower: docs/performance.md, v23c).
+  // of several chunks, a short lane's single chunk writes its partial and merges it itself, as
+  // before v23 (finishing it alone there too measured slower: docs/performance.md, v23c).
   const bool alone = own_query;  // one chunk per (sequence, KV head) in this launch
   const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;
@@ -1872,25 +1872,28 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
   // once its partials are written, and the one that draws the last merges them, while the other
   // CTAs of the grid still run; a separate merge kernel would wait for the whole grid, then load
-  // the partials in a chain of dependent round trips.
+  // the partials in a chain of dependent round trips. A single chunk (a short lane of a launch of
+  // several chunks) merges itself, without a ticket.
   const int n_chunks = (n_items + A.items_per_chunk - 1) / A.items_per_chunk;
   __shared__ bool merges_s;
   __syncthreads();  // every thread's partials are written; the stages (o_of) are read
-  if (threadIdx.x == 0) {
-    // Release (cumulative over the barrier above): this CTA's partials are visible to the CTA
-    // that draws the last ticket, which acquires them. Only that one fences after the ticket:
-    // an acquire also empties the SM's L1, under the CTAs that still run there.
-    unsigned drawn;
-    asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(A.tickets + bh) : "memory");
-    const bool last = drawn == static_cast<unsigned>(n_chunks - 1);
-    if (last) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
-      A.tickets[bh] = 0;  // for the next launch, which the stream orders after this one
+  if (n_chunks > 1) {
+    if (threadIdx.x == 0) {
+      // Release (cumulative over the barrier above): this CTA's partials are visible to the CTA
+      // that draws the last ticket, which acquires them. Only that one fences after the ticket:
+      // an acquire also empties the SM's L1, under the CTAs that still run there.
+      unsigned drawn;
+      asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(drawn) : "l"(A.tickets + bh) : "memory");
+      const bool last = drawn == static_cast<unsigned>(n_chunks - 1);
+      if (last) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
+        A.tickets[bh] = 0;  // for the next launch, which the stream orders after this one
+      }
+      merges_s = last;
     }
-    merges_s = last;
+    __syncthreads();
+    if (!merges_s) return;
   }
-  __syncthreads();
-  if (!merges_s) return;
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
