@@ -6,9 +6,19 @@
 One layer of Llama-3.1-8B (32 query heads, 8 KV heads, head_dim 128, bf16). GQA decode is
 expressed as 4 queries per KV head attending to that head's keys (no K/V expansion), which every
 SDPA back end accepts. Timing: CUDA events, L2 flushed before each run, median of 30 after 5 warm-ups.
+The flush follows QEVICT_BENCH_FLUSH as decode_setup.cuh does: dirty (default: a 256 MiB fill, which
+leaves L2 full of written lines) or clean (the fill, then a read of another 256 MiB).
 """
 import json
+import os
 import sys
+
+
+def flush_mode():
+    mode = os.environ.get("QEVICT_BENCH_FLUSH", "dirty")
+    if mode not in ("dirty", "clean"):
+        sys.exit(f"QEVICT_BENCH_FLUSH must be dirty or clean, not '{mode}'")
+    return mode
 
 POINTS = [(32, 1280), (32, 8192), (32, 32768), (1, 32768), (1, 131072)]
 
@@ -16,10 +26,13 @@ POINTS = [(32, 1280), (32, 8192), (32, 32768), (1, 32768), (1, 131072)]
 def median_ms(fn, warmup=5, reps=30):
     import torch
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    clean = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda") if flush_mode() == "clean" else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i in range(warmup + reps):
         flush.fill_(i & 0xFF)
+        if clean is not None:
+            clean.max()  # reads every line into L2
         start.record()
         fn()
         end.record()
@@ -41,7 +54,7 @@ def measure():
     x = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     y = torch.empty_like(x)
     ms = median_ms(lambda: y.copy_(x), 3, 20)
-    print(json.dumps({"impl": "copy", "ms": ms, "bytes": 2 * n, "tbps": 2 * n / ms / 1e9}), flush=True)
+    print(json.dumps({"impl": "copy", "ms": ms, "bytes": 2 * n, "tbps": 2 * n / ms / 1e9, "flush": flush_mode()}), flush=True)
     del x, y
     torch.cuda.empty_cache()
 
@@ -69,7 +82,8 @@ def report(ours_path, peers_path):
     rows = [json.loads(l) for p in (ours_path, peers_path) for l in open(p) if l.startswith("{")]
     copy = next(r for r in rows if r["impl"] == "copy")
     bw = copy["tbps"]
-    print(f"Measured device-to-device copy bandwidth: {bw:.2f} TB/s (bytes read + written / time).\n")
+    print(f"Measured device-to-device copy bandwidth: {bw:.2f} TB/s (bytes read + written / time).")
+    print(f"L2 flush before each timed call: {copy.get('flush', 'dirty')} (QEVICT_BENCH_FLUSH).\n")
     print("| batch | context | implementation | budget | ms | ms without mass | mass cost | read [MB] | TB/s | of copy BW | cuDNN / this |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, context in POINTS:

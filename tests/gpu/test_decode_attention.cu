@@ -350,10 +350,12 @@ TEST_CASE("decode attention over window lists with the tiers interleaved") {
 TEST_CASE("decode attention with scores spread over many powers of two") {
   // Queries 6 and 12 times larger: a row's scores then span dozens of log2 units, so that its
   // reference maximum is raised past the rescale margin at later items, not only the first pair,
-  // and most probabilities underflow.
+  // and most probabilities underflow. With keys after RoPE or window-relative, groups of 1, 2 and 4
+  // heads take the output product whose columns 4-7 hold the probabilities' low parts
+  // (folds_low_part); 8 heads, and keys rotated one by one, the one without.
   unsigned seed = 9700;
   for (float scale : {6.0f, 12.0f})
-    for (int group : {1, 4, 8}) {
+    for (int group : {1, 2, 4, 8}) {
       CAPTURE(scale);
       CAPTURE(group);
       case_spec spec{128, group, 7, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 3000};

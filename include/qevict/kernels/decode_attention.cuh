@@ -30,7 +30,10 @@
 //                        record, over its value codes, which are stored in the order that makes
 //                        each lane's register its fragment: record_value_fragments),
 //                        B = probabilities (bf16: high and low part), whose C->B fragment
-//                        layouts line up, so P never leaves registers.
+//                        layouts line up, so P never leaves registers. A group of at most 4
+//                        heads takes both parts in one product: columns 4-7 carry the low parts
+//                        (folds_low_part), 8 products per pair instead of 16 (keys used as
+//                        stored or window-relative; keys rotated one by one keep both products).
 // The queries reach the CTAs as fragments, prepared once per sequence and KV head (prepare_query):
 // by prepare_queries_kernel before the attention kernel, or, when a launch has a single chunk per
 // (sequence, KV head), by that chunk's CTA itself, so that no kernel runs before it.
@@ -378,6 +381,15 @@ __device__ __forceinline__ float exp2_sfu(float x) {
 /// at every pair that passes it.
 template <bool Bf16>
 inline constexpr float rescale_margin = Bf16 ? 8.0f : 0.0f;
+
+/// Whether the output product of a group takes its probabilities' high and low bf16 parts in one
+/// tensor-core product: with bf16 values and at most 4 heads, the product's columns 4-7 (heads the
+/// group lacks) carry the low parts of heads 0-3 beside their high parts in columns 0-3. The
+/// query rows 4-7 then repeat rows 0-3 (query_fragments), so that lanes of rows g and g + 4 hold
+/// the same scores and probabilities and each supplies its own column; the CTA merge adds column
+/// g + 4 to column g. One product per 16 channels and pair instead of two.
+template <bool Bf16>
+QEVICT_HOST_DEVICE constexpr bool folds_low_part(int group) { return Bf16 && group <= 4; }
 
 /// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
 /// give -inf.
@@ -1157,7 +1169,9 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
     const float* row = q + min(head, G - 1) * D + 16 * s;
     return [=](int c) { return head < G ? row[c] : 0.0f; };
   };
-  const auto at = channels_of(g);
+  // Rows 4-7 repeat rows 0-3 where the output product folds the low part into them
+  // (folds_low_part), and for window-relative records of at most 4 heads (paired_rotation).
+  const auto at = channels_of(folds_low_part<Bf16>(G) ? (g & 3) : g);
   warp::split_16<Bf16>(at(2 * t), at(2 * t + 1), first.x, first.y);
   warp::split_16<Bf16>(at(2 * t + 8), at(2 * t + 9), first.z, first.w);
   second = make_uint4(0u, 0u, 0u, 0u);
@@ -1371,7 +1385,7 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
 /// Bits: the ledger's code width. FullBits: the Full slots' code width when the top tier is
 /// quantized (full_tier::quantized_as), 0 when they hold token rows.
 template <int D, element_type E, bool EmitMass, record_rotation Records, int W, int Bits, int FullBits = 0,
-          bool ValueWeighted = false>
+          bool ValueWeighted = false, bool FoldLow = false>
 __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     decode_attention_kernel(const decode_layout L, const decode_arguments A) {
   constexpr int chunk_capacity = max_items_per_chunk(W);  // items a chunk of this kernel can hold
@@ -1404,6 +1418,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   const int lane_id = threadIdx.x & 31, warp_id = threadIdx.x >> 5;
   const int g = lane_id >> 2, t = lane_id & 3;
   const int G = L.group;
+  // Columns 4-7 of the output hold low parts: chosen at launch (folds_low_part), so that the loops
+  // carry no branch on the group size.
+  static_assert(!FoldLow || Bf16, "decode_attention: only bf16 probabilities have a low part to fold");
+  constexpr bool fold = FoldLow;
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
@@ -1572,15 +1590,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-    std::uint32_t v[D / 16][4];
-    load_values(v);
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-      warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
-      if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
-    }
     if constexpr (EmitMass) {
-      // After the output's products, whose issue hides the shuffles' latency.
+      // Before the value operands are formed: their instructions hide the shuffles' latency, in
+      // the same block of code (the output product after them branches on folds_low_part).
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
       // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
       // Branch-free: item b of a chunk's last pair may not exist (its row is past the chunk's
@@ -1618,6 +1630,21 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
         mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
         mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
+      }
+    }
+    std::uint32_t v[D / 16][4];
+    load_values(v);
+    if constexpr (fold) {
+      // Column g of P^T: the high part in rows 0-3, the low part in rows 4-7 (folds_low_part).
+      const bool low = g >= 4;
+      const std::uint32_t p_a = low ? p_lo_a : p_hi_a, p_b = low ? p_lo_b : p_hi_b;
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_a, p_b);
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_hi_a, p_hi_b);
+        if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
       }
     }
   };
@@ -1836,7 +1863,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     for (int w = 0; w < warps_per_cta; ++w) {
       const float3 mlz = mlz_s[w][hg];
       const float f = mlz.x == -INFINITY ? 0.f : exp2_sfu(mlz.x - M);
-      acc += f * (o_of(w)[hg][c] + mlz.z);
+      acc += f * (o_of(w)[hg][c] + (fold ? o_of(w)[hg + 4][c] : 0.f) + mlz.z);
       l += f * mlz.y;
     }
     if (alone) {
@@ -2026,43 +2053,58 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
                               static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   if (args.batch == 0) return;
-  constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
+  static constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
-  constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted>;
-  // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
-  // first launch; it only steers the automatic chunk), when its shared memory is set.
-  static const int resident_ctas = [] {
-    QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    int device = 0, sms = 0, per_sm = 0;
-    QEVICT_CUDA_CHECK(cudaGetDevice(&device));
-    QEVICT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    QEVICT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, detail::warps_per_cta * 32, smem_bytes));
-    return sms * per_sm;
-  }();
-  decode_arguments a = args;
-  if (a.items_per_chunk == 0)
-    a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas, a.max_chunks, max_items_per_chunk(W));
-  const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
-  qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
-  qevict::detail::require(chunks <= 65535, "decode_attention: more than 65535 chunks a lane (raise items_per_chunk)");
-  // The CTA that merges a (sequence, KV head) keeps a factor per chunk and query head in its stages.
-  qevict::detail::require(static_cast<std::size_t>(chunks) * L.group * sizeof(float) <= detail::dynamic_smem_bytes<D> - detail::stage_alignment,
-                          "decode_attention: too many chunks to merge in one CTA (raise items_per_chunk)");
-  // The kernels after the first start while the kernel before them ends (kernels/dependent_launch.cuh):
-  // at batch 1 and short contexts the launch gaps are a good part of the step. With one chunk per
-  // (sequence, KV head) the decode kernel's CTAs prepare their queries themselves (own_query) and
-  // it is the first kernel: an ordinary launch, since it reads what the calls before it wrote.
-  const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
-  if (chunks == 1) {
-    kernel<<<grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream>>>(L, a);
-    QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+  // Groups of at most 4 heads with bf16 values take the kernel whose output product folds the
+  // probabilities' low parts into columns 4-7 (folds_low_part), unless keys are rotated one by one.
+  decode_arguments launched = args;  // the automatic chunk is chosen inside
+  const auto launch = [&]<bool Fold>() {
+    constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted, Fold>;
+    // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
+    // first launch; it only steers the automatic chunk), when its shared memory is set.
+    static const int resident_ctas = [] {
+      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      int device = 0, sms = 0, per_sm = 0;
+      QEVICT_CUDA_CHECK(cudaGetDevice(&device));
+      QEVICT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      QEVICT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, detail::warps_per_cta * 32, smem_bytes));
+      return sms * per_sm;
+    }();
+    decode_arguments& a = launched;
+    if (a.items_per_chunk == 0)
+      a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas, a.max_chunks, max_items_per_chunk(W));
+    const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
+    qevict::detail::require(chunks <= a.max_chunks, "decode_attention: workspace holds fewer chunks than the batch needs");
+    qevict::detail::require(chunks <= 65535, "decode_attention: more than 65535 chunks a lane (raise items_per_chunk)");
+    // The CTA that merges a (sequence, KV head) keeps a factor per chunk and query head in its stages.
+    qevict::detail::require(static_cast<std::size_t>(chunks) * L.group * sizeof(float) <= detail::dynamic_smem_bytes<D> - detail::stage_alignment,
+                            "decode_attention: too many chunks to merge in one CTA (raise items_per_chunk)");
+    // The kernels after the first start while the kernel before them ends (kernels/dependent_launch.cuh):
+    // at batch 1 and short contexts the launch gaps are a good part of the step. With one chunk per
+    // (sequence, KV head) the decode kernel's CTAs prepare their queries themselves (own_query) and
+    // it is the first kernel: an ordinary launch, since it reads what the calls before it wrote.
+    const dim3 grid(static_cast<unsigned>(L.kv_heads), static_cast<unsigned>(chunks), static_cast<unsigned>(a.batch));
+    if (chunks == 1) {
+      kernel<<<grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream>>>(L, a);
+      QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
+    } else {
+      detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>, Records == record_rotation::each_key>
+          <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
+      QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
+      launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
+    }
+  };
+  // Keys rotated one by one (records before RoPE) keep the two products: folded, their steps
+  // measured 0.8 % slower at batch 32, 32K tokens, 20 % (docs/performance.md, v24c), the other
+  // frames' 0.8-0.9 % faster.
+  constexpr bool may_fold = E == element_type::bf16 && Records != record_rotation::each_key;
+  if (may_fold && detail::folds_low_part<E == element_type::bf16>(L.group)) {
+    if constexpr (may_fold) launch.template operator()<true>();
   } else {
-    detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>, Records == record_rotation::each_key>
-        <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
-    QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
-    launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
+    launch.template operator()<false>();
   }
+  const decode_arguments& a = launched;
   if constexpr (EmitMass) {
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
