@@ -387,9 +387,11 @@ inline constexpr float rescale_margin = Bf16 ? 8.0f : 0.0f;
 /// group lacks) carry the low parts of heads 0-3 beside their high parts in columns 0-3. The
 /// query rows 4-7 then repeat rows 0-3 (query_fragments), so that lanes of rows g and g + 4 hold
 /// the same scores and probabilities and each supplies its own column; the CTA merge adds column
-/// g + 4 to column g. One product per 16 channels and pair instead of two.
-template <bool Bf16>
-QEVICT_HOST_DEVICE constexpr bool folds_low_part(int group) { return Bf16 && group <= 4; }
+/// g + 4 to column g. One product per 16 channels and pair instead of two. Not where keys are
+/// rotated one by one (EachKey: records before RoPE), whose kernel measured slower folded
+/// (docs/performance.md, v24c).
+template <bool Bf16, bool EachKey>
+QEVICT_HOST_DEVICE constexpr bool folds_low_part(int group) { return Bf16 && !EachKey && group <= 4; }
 
 /// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
 /// give -inf.
@@ -1162,7 +1164,7 @@ inline constexpr record_query record_query_of = Records == record_rotation::each
 ///            (16s + t, t+8, t+4, t+12; 22 bits); for window-relative records those channels in
 ///            fp32, rotated per window by query_for_window (with at most 4 heads, rows 4-7 repeat
 ///            rows 0-3: paired_rotation).
-template <int D, bool Bf16, record_query RecordQuery>
+template <int D, bool Bf16, record_query RecordQuery, bool EachKey>
 __device__ __forceinline__ void query_fragments(const float* q, int G, int g, int t, int s, uint4& first, uint4& second) {
   // Head `head`'s channels 16s + c (0 for rows past the group).
   auto channels_of = [&](int head) {
@@ -1171,7 +1173,7 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
   };
   // Rows 4-7 repeat rows 0-3 where the output product folds the low part into them
   // (folds_low_part), and for window-relative records of at most 4 heads (paired_rotation).
-  const auto at = channels_of(folds_low_part<Bf16>(G) ? (g & 3) : g);
+  const auto at = channels_of(folds_low_part<Bf16, EachKey>(G) ? (g & 3) : g);
   warp::split_16<Bf16>(at(2 * t), at(2 * t + 1), first.x, first.y);
   warp::split_16<Bf16>(at(2 * t + 8), at(2 * t + 9), first.z, first.w);
   second = make_uint4(0u, 0u, 0u, 0u);
@@ -1266,7 +1268,7 @@ __device__ __forceinline__ void prepare_query(const decode_layout& L, const deco
   for (int e = threadIdx.x; e < 32 * (D / 16); e += prepare_threads) {
     const int l = e % 32, s = e / 32;
     uint4 first, second;
-    query_fragments<D, Bf16, RecordQuery>(&q_s[0][0], G, l >> 2, l & 3, s, first, second);
+    query_fragments<D, Bf16, RecordQuery, Table>(&q_s[0][0], G, l >> 2, l & 3, s, first, second);
     out[s * 32 + l] = first;
     out[(D / 16 + s) * 32 + l] = second;
   }
@@ -1590,9 +1592,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-    if constexpr (EmitMass) {
-      // Before the value operands are formed: their instructions hide the shuffles' latency, in
-      // the same block of code (the output product after them branches on folds_low_part).
+    // The window masses. Folded (fold), before the value operands are formed, whose instructions
+    // hide the shuffles' latency (as v24c was measured); otherwise after the output's products,
+    // whose issue hides it, as before v24c: the kernel for keys rotated one by one measured 1.9 %
+    // slower at 32x32K / 20 % with the masses first (docs/performance.md, v24c).
+    auto emit_mass = [&] {
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
       // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
       // Branch-free: item b of a chunk's last pair may not exist (its row is past the chunk's
@@ -1631,7 +1635,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
         mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
       }
-    }
+    };
+    if constexpr (EmitMass && fold) emit_mass();
     std::uint32_t v[D / 16][4];
     load_values(v);
     if constexpr (fold) {
@@ -1647,6 +1652,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
       }
     }
+    if constexpr (EmitMass && !fold) emit_mass();
   };
 
   if (n_general_pairs > 0) {
@@ -1863,7 +1869,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     for (int w = 0; w < warps_per_cta; ++w) {
       const float3 mlz = mlz_s[w][hg];
       const float f = mlz.x == -INFINITY ? 0.f : exp2_sfu(mlz.x - M);
-      acc += f * (o_of(w)[hg][c] + (fold ? o_of(w)[hg + 4][c] : 0.f) + mlz.z);
+      // Folded, column hg + 4 holds head hg's low part (no addition of 0 otherwise: x + 0 is not x for x = -0).
+      const float o_w = fold ? o_of(w)[hg][c] + o_of(w)[hg + 4][c] : o_of(w)[hg][c];
+      acc += f * (o_w + mlz.z);
       l += f * mlz.y;
     }
     if (alone) {
@@ -2095,11 +2103,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
       launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
     }
   };
-  // Keys rotated one by one (records before RoPE) keep the two products: folded, their steps
-  // measured 0.8 % slower at batch 32, 32K tokens, 20 % (docs/performance.md, v24c), the other
-  // frames' 0.8-0.9 % faster.
   constexpr bool may_fold = E == element_type::bf16 && Records != record_rotation::each_key;
-  if (may_fold && detail::folds_low_part<E == element_type::bf16>(L.group)) {
+  if (detail::folds_low_part<E == element_type::bf16, Records == record_rotation::each_key>(L.group)) {
     if constexpr (may_fold) launch.template operator()<true>();
   } else {
     launch.template operator()<false>();
