@@ -3,6 +3,9 @@
 # (with and without window mass), PyTorch SDPA flash and cuDNN over the full bf16 cache, and the
 # device-to-device copy bandwidth, all in one run on one GPU. Prints a markdown table.
 #   bench/gpu/run_peers.sh [build-dir]     (needs nvcc for sm_90 and python3 with PyTorch)
+# L2 is flushed before every timed call: QEVICT_BENCH_FLUSH=dirty (default, a 256 MiB memset) or
+# clean (the memset, then a read of another 256 MiB, so that no written lines are left in L2);
+# both the qevict rows and the PyTorch peers follow it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
