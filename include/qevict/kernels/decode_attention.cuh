@@ -391,7 +391,9 @@ inline constexpr float rescale_margin = Bf16 ? 8.0f : 0.0f;
 /// rotated one by one (EachKey: records before RoPE), whose kernel measured slower folded
 /// (docs/performance.md, v24c).
 template <bool Bf16, bool EachKey>
-QEVICT_HOST_DEVICE constexpr bool folds_low_part(int group) { return Bf16 && !EachKey && group <= 4; }
+inline constexpr bool may_fold_low_part = Bf16 && !EachKey;  ///< the part of folds_low_part known at compile time
+template <bool Bf16, bool EachKey>
+QEVICT_HOST_DEVICE constexpr bool folds_low_part(int group) { return may_fold_low_part<Bf16, EachKey> && group <= 4; }
 
 /// log2(x) on the special-function unit (absolute error about 2^-22); 0 and values below 2^-126
 /// give -inf.
@@ -1423,7 +1425,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // Columns 4-7 of the output hold low parts: chosen at launch (folds_low_part), so that the loops
   // carry no branch on the group size.
   static_assert(!FoldLow || Bf16, "decode_attention: only bf16 probabilities have a low part to fold");
-  constexpr bool fold = FoldLow;
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
@@ -1592,7 +1593,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     std::uint32_t p_hi_a, p_lo_a, p_hi_b, p_lo_b;
     warp::split_16<Bf16>(pa0 * vs_a.x, pa1 * vs_a.y, p_hi_a, p_lo_a);
     warp::split_16<Bf16>(pb0 * vs_b.x, pb1 * vs_b.y, p_hi_b, p_lo_b);
-    // The window masses. Folded (fold), before the value operands are formed, whose instructions
+    // The window masses. Folded (FoldLow), before the value operands are formed, whose instructions
     // hide the shuffles' latency (as v24c was measured); otherwise after the output's products,
     // whose issue hides it, as before v24c: the kernel for keys rotated one by one measured 1.9 %
     // slower at 32x32K / 20 % with the masses first (docs/performance.md, v24c).
@@ -1636,10 +1637,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
       }
     };
-    if constexpr (EmitMass && fold) emit_mass();
+    if constexpr (EmitMass && FoldLow) emit_mass();
     std::uint32_t v[D / 16][4];
     load_values(v);
-    if constexpr (fold) {
+    if constexpr (FoldLow) {
       // Column g of P^T: the high part in rows 0-3, the low part in rows 4-7 (folds_low_part).
       const bool low = g >= 4;
       const std::uint32_t p_a = low ? p_lo_a : p_hi_a, p_b = low ? p_lo_b : p_hi_b;
@@ -1652,7 +1653,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         if constexpr (Bf16) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_lo_a, p_lo_b);
       }
     }
-    if constexpr (EmitMass && !fold) emit_mass();
+    if constexpr (EmitMass && !FoldLow) emit_mass();
   };
 
   if (n_general_pairs > 0) {
@@ -1870,7 +1871,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       const float3 mlz = mlz_s[w][hg];
       const float f = mlz.x == -INFINITY ? 0.f : exp2_sfu(mlz.x - M);
       // Folded, column hg + 4 holds head hg's low part (no addition of 0 otherwise: x + 0 is not x for x = -0).
-      const float o_w = fold ? o_of(w)[hg][c] + o_of(w)[hg + 4][c] : o_of(w)[hg][c];
+      const float o_w = FoldLow ? o_of(w)[hg][c] + o_of(w)[hg + 4][c] : o_of(w)[hg][c];
       acc += f * (o_w + mlz.z);
       l += f * mlz.y;
     }
@@ -2066,7 +2067,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
   // Groups of at most 4 heads with bf16 values take the kernel whose output product folds the
   // probabilities' low parts into columns 4-7 (folds_low_part), unless keys are rotated one by one.
-  decode_arguments launched = args;  // the automatic chunk is chosen inside
+  // Returns the launch's arguments, with its automatic chunk chosen (the mass kernel reads it).
   const auto launch = [&]<bool Fold>() {
     constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted, Fold>;
     // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
@@ -2079,7 +2080,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
       QEVICT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, detail::warps_per_cta * 32, smem_bytes));
       return sms * per_sm;
     }();
-    decode_arguments& a = launched;
+    decode_arguments a = args;
     if (a.items_per_chunk == 0)
       a.items_per_chunk = decode_chunk(a.batch, L.kv_heads, max_items, resident_ctas, a.max_chunks, max_items_per_chunk(W));
     const int chunks = std::max(1, (max_items + a.items_per_chunk - 1) / a.items_per_chunk);
@@ -2102,14 +2103,14 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
       QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
       launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
     }
+    return a;
   };
-  constexpr bool may_fold = E == element_type::bf16 && Records != record_rotation::each_key;
-  if (detail::folds_low_part<E == element_type::bf16, Records == record_rotation::each_key>(L.group)) {
-    if constexpr (may_fold) launch.template operator()<true>();
-  } else {
-    launch.template operator()<false>();
-  }
-  const decode_arguments& a = launched;
+  constexpr bool bf16 = E == element_type::bf16, each_key = Records == record_rotation::each_key;
+  const decode_arguments a = [&] {
+    if constexpr (detail::may_fold_low_part<bf16, each_key>)
+      if (detail::folds_low_part<bf16, each_key>(L.group)) return launch.template operator()<true>();
+    return launch.template operator()<false>();
+  }();
   if constexpr (EmitMass) {
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
