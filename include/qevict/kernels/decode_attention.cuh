@@ -889,8 +889,10 @@ __device__ __forceinline__ void score_item(const decode_layout& L, int kind, con
 /// and stores each as one word; the 32 words of one store fill 128 contiguous bytes.
 /// Both are exact in fp16: a bf16 value has 8 significant bits (fp16 has 11), for magnitudes in
 /// fp16's range (scale <= 16376, |zero| <= 65504; below 2^-17 they round by under 2^-25).
-template <int D, int MetaOffset = key_extra_offset<D>>
-__device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id) {
+/// zero_word(m, g, t) is where lane (g, t) puts its zero pair of matrix m (stage_key_meta_pair
+/// places them elsewhere).
+template <int D, int MetaOffset, class ZeroWord>
+__device__ __forceinline__ void stage_key_meta_with(std::uint8_t* s_item, int lane_id, ZeroWord zero_word) {
   constexpr auto record = staged_record<D, 2>;
   static_assert(record.key_zero_offset() == record.key_scale_offset() + 2 * D,
                 "stage_key_meta: the key zeros follow the key scales");
@@ -904,8 +906,39 @@ __device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id
     const std::uint32_t scale = r[m], zero = r[M + m];
     std::uint32_t* at = reinterpret_cast<std::uint32_t*>(s_item + MetaOffset + 32 * (4 * m + t) + 8 * (g & 3) + 4 * (g >> 2));
     at[0] = warp::pack_half2(4.0f * __uint_as_float(scale << 16), 4.0f * __uint_as_float(scale & 0xffff0000u));
-    at[2 * D / 4] = warp::pack_half2(__uint_as_float(zero << 16), __uint_as_float(zero & 0xffff0000u));
+    *zero_word(m, g, t) = warp::pack_half2(__uint_as_float(zero << 16), __uint_as_float(zero & 0xffff0000u));
   }
+}
+
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id) {
+  stage_key_meta_with<D, MetaOffset>(s_item, lane_id, [=](int m, int g, int t) {
+    return reinterpret_cast<std::uint32_t*>(s_item + MetaOffset + 2 * D + 32 * (4 * m + t) + 8 * (g & 3) + 4 * (g >> 2));
+  });
+}
+
+/// stage_key_meta for both records of a pair in the transposed product, whose zero product takes
+/// the zeros of both as its A operand: the scales as stage_key_meta places them, the zeros of
+/// chunk s and thread column t as one 16-byte entry {zero pair (t, t + 8) of item a, of item b,
+/// pair (t + 4, t + 12) of item a, of item b} (A registers 0-3), at 64 (s mod D/32) + 16 t in item
+/// a's zero area for s < D/32 and in item b's for the others (together 4 D bytes, the two areas').
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ void stage_key_meta_pair(std::uint8_t* s_a, std::uint8_t* s_b, int lane_id) {
+  auto zero_words = [=](int item) {
+    return [=](int m, int g, int t) {
+      const int s = 4 * m + t;  // the chunk of pair g / 4 of entry (s, g % 4)
+      std::uint8_t* area = (s < D / 32 ? s_a : s_b) + MetaOffset + 2 * D;
+      return reinterpret_cast<std::uint32_t*>(area + 64 * (s % (D / 32)) + 16 * (g & 3) + 8 * (g >> 2) + 4 * item);
+    };
+  };
+  stage_key_meta_with<D, MetaOffset>(s_a, lane_id, zero_words(0));
+  stage_key_meta_with<D, MetaOffset>(s_b, lane_id, zero_words(1));
+}
+
+/// Where stage_key_meta_pair put the zero product's A registers of chunk s for thread column t.
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ uint4 paired_zeros(const std::uint8_t* s_a, const std::uint8_t* s_b, int s, int t) {
+  return *reinterpret_cast<const uint4*>((s < D / 32 ? s_a : s_b) + MetaOffset + 2 * D + 64 * (s % (D / 32)) + 16 * t);
 }
 
 /// Scores of a quantized item whose keys are stored after RoPE: c[0], c[1] = head g's scores of
@@ -983,6 +1016,43 @@ __device__ __forceinline__ void score_record_pair(const std::uint8_t* s_a, const
   sa[1] = ((acc_a[0][1] + acc_a[1][1]) + (acc_a[0][3] + acc_a[1][3])) + za;
   sb[0] = ((acc_b[0][0] + acc_b[1][0]) + (acc_b[0][2] + acc_b[1][2])) + zb;
   sb[1] = ((acc_b[0][1] + acc_b[1][1]) + (acc_b[0][3] + acc_b[1][3])) + zb;
+}
+
+/// Scores of a pair of records whose keys are used as stored, transposed (transposes_records):
+/// the records are the A operand, rows g and g + 8 token g of items a and b, and the query the B
+/// operand, qc from record_query::fp16_columns (column 2h: head h's high fp16 part, 2h + 1 its low
+/// part). Lane (g, t) receives the high and low products of head t with token g of each item
+/// (C columns 2t and 2t + 1) and sums them: sa, sb. The A operand's lane holds the same channels
+/// as score_record's B operand (k = 2t, 2t+1 <-> channels t, t + 8; k = 2t+8, 2t+9 <-> t + 4,
+/// t + 12), so the code words, the staged key scales and the exact fp16 keys are score_record's;
+/// the zero product's A rows hold each item's zeros (stage_key_meta_pair), and it adds them to
+/// the same scores.
+template <int D, int MetaOffset = key_extra_offset<D>>
+__device__ __forceinline__ void score_record_pair_transposed(const std::uint8_t* s_a, const std::uint8_t* s_b, int g, int t,
+                                                             const std::uint32_t (&qc)[D / 16][4], float& sa, float& sb) {
+  std::uint32_t cwa[D / 16], cwb[D / 16];
+  load_code_words<D>(s_a + g * (D / 4), cwa);
+  load_code_words<D>(s_b + g * (D / 4), cwb);
+  // Entry (s, t) of stage_key_meta: scale pairs at 32 s + 8 t.
+  const std::uint8_t* ma = s_a + MetaOffset + 8 * t;
+  const std::uint8_t* mb = s_b + MetaOffset + 8 * t;
+  // Even and odd chunks in accumulators of their own, codes and zeros apart: four chains of D/32
+  // dependent products.
+  float acc[2][4] = {}, acc_z[2][4] = {};
+  const std::uint32_t one = 0x3C003C00u;  // 1.0 in both halves
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const uint2 fa = *reinterpret_cast<const uint2*>(ma + 32 * s), fb = *reinterpret_cast<const uint2*>(mb + 32 * s);
+    const uint4 z = paired_zeros<D, MetaOffset>(s_a, s_b, s, t);
+    const std::uint32_t xa = cwa[s] >> (2 * t), xb = cwb[s] >> (2 * t);
+    warp::mma_f16(acc_z[s & 1], z.x, z.y, z.z, z.w, qc[s][0], qc[s][1]);
+    warp::mma_f16(acc[s & 1], warp::fma_half2_minus(warp::and_or<0x03000300u>(xa << 8, one), fa.x),
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xb << 8, one), fb.x),
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xa, one), fa.y),
+                  warp::fma_half2_minus(warp::and_or<0x03000300u>(xb, one), fb.y), qc[s][0], qc[s][1]);
+  }
+  sa = ((acc[0][0] + acc[1][0]) + (acc[0][1] + acc[1][1])) + ((acc_z[0][0] + acc_z[1][0]) + (acc_z[0][1] + acc_z[1][1]));
+  sb = ((acc[0][2] + acc[1][2]) + (acc[0][3] + acc[1][3])) + ((acc_z[0][2] + acc_z[1][2]) + (acc_z[0][3] + acc_z[1][3]));
 }
 
 /// The query rotated back by a window's start, R(t0)^T q, as score_record's fp16 high/low A
@@ -1144,10 +1214,19 @@ __device__ __forceinline__ void value_meta(const decode_layout& L, int kind, con
   }
 }
 
+/// Value scale and zero of token g of a ledger record (the transposed record loop's lane holds one
+/// token of each item).
+__device__ __forceinline__ void value_meta_of_token(const record_format& f, const std::uint8_t* s_item, int g, float& scale,
+                                                    float& zero) {
+  scale = __uint_as_float(static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t*>(s_item + f.staged_value_scale)[g]) << 16);
+  zero = __uint_as_float(static_cast<std::uint32_t>(reinterpret_cast<const std::uint16_t*>(s_item + f.staged_value_zero)[g]) << 16);
+}
+
 /// What the second half of a lane's query fragments holds for the records of a kernel: nothing
 /// (their keys are dequantized in fp32 and go through the first half), the query in fp16 high
-/// and low parts in score_record's channel order, or that query in fp32 (rotated per window).
-enum class record_query : int { none = 0, fp16_parts = 1, fp32 = 2 };
+/// and low parts in score_record's channel order, that query in fp32 (rotated per window), or the
+/// fp16 parts as the B columns of the transposed record product (transposes_records).
+enum class record_query : int { none = 0, fp16_parts = 1, fp32 = 2, fp16_columns = 3 };
 
 /// The record query of a kernel for `Records` and ledger codes of `Bits`. Ledger records whose keys
 /// are not rotated per key take the exact fp16 path (score_record) when their codes have 2 bits;
@@ -1158,6 +1237,22 @@ inline constexpr record_query record_query_of = Records == record_rotation::each
                                                 : Records == record_rotation::query_per_window   ? record_query::fp32
                                                                                                  : record_query::fp16_parts;
 
+/// Whether the records' loop of a kernel takes the transposed product (score_record_pair_transposed):
+/// pairs of 8-token ledger records of 2-bit codes whose keys are used as stored, in a kernel that
+/// folds the low part (a group of at most 4 heads, bf16). The pair's 16 tokens are the rows of
+/// the tensor cores' A operand and the group's 4 heads, high and low query parts, the 8 columns of
+/// B: a k-step's codes of both records go through one product instead of two, each lane holds one
+/// head's scores of one token of each record instead of four scores of which the group repeats half,
+/// and the query takes 2 registers a k-step instead of 4. Its softmax state has its own layout
+/// (lane (g, t) holds head t), which the kernel converts to once at the loop's start.
+template <record_rotation Records, int W, int Bits, int FullBits, bool FoldLow>
+inline constexpr bool transposes_records = FoldLow && Records == record_rotation::none && W == 8 && Bits == 2 && FullBits == 0;
+
+/// The record query of a kernel (its prepare_query and the decode kernel agree through this).
+template <record_rotation Records, int W, int Bits, int FullBits, bool FoldLow>
+inline constexpr record_query kernel_record_query =
+    transposes_records<Records, W, Bits, FullBits, FoldLow> ? record_query::fp16_columns : record_query_of<Records, Bits>;
+
 /// Lane (g, t)'s query fragments for chunk s of one KV head's group (q: the group's rotated,
 /// scaled queries, [G][D]; rows g >= G are zero):
 ///   first  = A fragment of head g in the cache's 16-bit type: rows 0-7 its high part, rows 8-15
@@ -1165,7 +1260,9 @@ inline constexpr record_query record_query_of = Records == record_rotation::each
 ///   second = for records used as stored, the same in fp16 in score_record's channel order
 ///            (16s + t, t+8, t+4, t+12; 22 bits); for window-relative records those channels in
 ///            fp32, rotated per window by query_for_window (with at most 4 heads, rows 4-7 repeat
-///            rows 0-3: paired_rotation).
+///            rows 0-3: paired_rotation); for the transposed record product (fp16_columns) the B
+///            fragment of column g, head g / 2's high part (g even) or low part (g odd), in the
+///            same channel order, in .x and .y.
 template <int D, bool Bf16, record_query RecordQuery, bool EachKey>
 __device__ __forceinline__ void query_fragments(const float* q, int G, int g, int t, int s, uint4& first, uint4& second) {
   // Head `head`'s channels 16s + c (0 for rows past the group).
@@ -1182,6 +1279,13 @@ __device__ __forceinline__ void query_fragments(const float* q, int G, int g, in
   if constexpr (RecordQuery == record_query::fp16_parts) {
     warp::split_16<false>(at(t), at(t + 8), second.x, second.y);
     warp::split_16<false>(at(t + 4), at(t + 12), second.z, second.w);
+  } else if constexpr (RecordQuery == record_query::fp16_columns) {
+    const auto column = channels_of(g >> 1);
+    std::uint32_t hi0, lo0, hi1, lo1;
+    warp::split_16<false>(column(t), column(t + 8), hi0, lo0);
+    warp::split_16<false>(column(t + 4), column(t + 12), hi1, lo1);
+    second.x = (g & 1) ? lo0 : hi0;
+    second.y = (g & 1) ? lo1 : hi1;
   } else if constexpr (RecordQuery == record_query::fp32) {
     // A group of at most 4 heads leaves rows 4-7 free: they repeat rows 0-3, so that the decode
     // kernel can rotate them by a second window's start (paired_rotation).
@@ -1425,6 +1529,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // Columns 4-7 of the output hold low parts: chosen at launch (folds_low_part), so that the loops
   // carry no branch on the group size.
   static_assert(!FoldLow || Bf16, "decode_attention: only bf16 probabilities have a low part to fold");
+  // Pairs of records through the transposed product (transposes_records). Its query fragments are
+  // B columns, so that ledger records outside the records' loop take score_item's fp32 path.
+  constexpr bool Transposed = transposes_records<Records, W, Bits, FullBits, FoldLow>;
+  constexpr record_query RecordQuery = kernel_record_query<Records, W, Bits, FullBits, FoldLow>;
+  constexpr bool GeneralFp16 = Fp16Records && !Transposed;  // the general loop's records on score_record
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
@@ -1507,7 +1616,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   if (own_query) {
     // In the stages, before the first copy: the fragments are the CTA's after the barrier.
     static_assert(query_scratch_bytes<D> <= warps_per_cta * stages * 2 * item_bytes<D>, "the stages hold prepare_query's scratch");
-    prepare_query<D, Bf16, record_query_of<Records, Bits>, RotateRecords>(L, A, b, h, query_in,
+    prepare_query<D, Bf16, RecordQuery, RotateRecords>(L, A, b, h, query_in,
                                                                          lane.first_position + lane.tokens - 1, stage_s);
     __syncthreads();
   }
@@ -1706,8 +1815,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       __syncwarp();
       // Pairs of two records (keys after RoPE) take branch-free work below, so that the two
       // items' independent instruction streams interleave.
-      const bool two_records = Fp16Records && kind_a == 2 && kind_b == 2;
-      if constexpr (Fp16Records) {
+      const bool two_records = GeneralFp16 && kind_a == 2 && kind_b == 2;
+      if constexpr (GeneralFp16) {
         if (two_records) {
           stage_key_meta<D>(s_a, lane_id);
           stage_key_meta<D>(s_b, lane_id);
@@ -1730,7 +1839,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           }
         } else {
           auto score = [&](int kind, const std::uint8_t* s_item, const float2* cs_t0, float (&c)[4]) {
-            if (Fp16Records && kind == 2) {
+            if (GeneralFp16 && kind == 2) {
               if constexpr (QueryPerWindow) query_for_window<D>(qr, cs_t0, L.layout, t, qf);
               score_record<D>(s_item, g, t, qf, c);
             } else {
@@ -1782,6 +1891,85 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 #pragma unroll
       for (int k = 0; k < RS - 1; ++k) issue(k);
       if (n_general_pairs == 0) load_query();  // else the general loop has loaded it
+      if constexpr (Transposed) {
+        // The general loop's state into the transposed loop's layout: lane (g, t) then holds head
+        // t, its maximum, its partial sums over tokens g, and output rows g, g + 8 of columns 2t
+        // (head t's high part) and 2t + 1 (its low part). Before, lane (g, t) held head g & 3
+        // (rows g and g + 4 alike), sums over tokens 2t, 2t + 1, and columns 2t, 2t + 1 of the
+        // folded product (column n: head n's high part for n < 4, head n - 4's low part else).
+        // Untouched state is the same in both layouts.
+        if (n_general_pairs > 0) {
+          m_run = __shfl_sync(0xffffffffu, m_run, 4 * t);
+          l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+          l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+          z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
+          z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+          const float l_head = __shfl_sync(0xffffffffu, l_run, 4 * t), z_head = __shfl_sync(0xffffffffu, z_run, 4 * t);
+          l_run = g == 0 ? l_head : 0.f;
+          z_run = g == 0 ? z_head : 0.f;
+          const int high_from = 4 * g + (t >> 1), low_from = 4 * g + 2 + (t >> 1);
+          const bool second = t & 1;
+#pragma unroll
+          for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {
+              const float h0 = __shfl_sync(0xffffffffu, o[i][r], high_from), h1 = __shfl_sync(0xffffffffu, o[i][r + 1], high_from);
+              const float l0 = __shfl_sync(0xffffffffu, o[i][r], low_from), l1 = __shfl_sync(0xffffffffu, o[i][r + 1], low_from);
+              o[i][r] = second ? h1 : h0;
+              o[i][r + 1] = second ? l1 : l0;
+            }
+        }
+      }
+      // absorb for the transposed product: sa, sb are head t's scores of token g of items li_a and
+      // li_a + 1, (vs, vz) those tokens' value scale and zero, codes their value codes.
+      [[maybe_unused]] auto absorb_transposed = [&](int li_a, float sa, float sb, float vs_a, float vz_a, float vs_b, float vz_b,
+                                                    const std::uint32_t (&codes_a)[value_pieces<D, Bits>],
+                                                    const std::uint32_t (&codes_b)[value_pieces<D, Bits>]) {
+        // Online softmax as in absorb; head t's tokens lie across the eight rows g.
+        float mx = fmaxf(sa, sb);
+        float alpha = 1.0f;
+        if (__any_sync(0xffffffffu, mx > m_run + rescale_margin<Bf16>)) {
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+          const float m_new = fmaxf(m_run, mx);
+          alpha = m_new == -INFINITY ? 1.0f : exp2_sfu(m_run - m_new);
+          m_run = m_new;
+          // The lane's output columns are head t's: its own factor.
+#pragma unroll
+          for (int i = 0; i < D / 16; ++i) {
+            o[i][0] *= alpha;
+            o[i][1] *= alpha;
+            o[i][2] *= alpha;
+            o[i][3] *= alpha;
+          }
+        }
+        const float m_ref = m_run == -INFINITY ? 0.0f : m_run;
+        const float pa = exp2_sfu(sa - m_ref), pb = exp2_sfu(sb - m_ref);
+        l_run = l_run * alpha + (pa + pb);
+        z_run = z_run * alpha + (pa * vz_a + pb * vz_b);
+        if constexpr (EmitMass) {
+          // One butterfly over the rows for both items: even rows end with item a's sum, odd rows
+          // with item b's.
+          const int odd = g & 1;
+          float x = odd ? pb : pa;
+          x += __shfl_xor_sync(0xffffffffu, odd ? pa : pb, 4);
+          x += __shfl_xor_sync(0xffffffffu, x, 8);
+          x += __shfl_xor_sync(0xffffffffu, x, 16);
+          mass_s[li_a + odd][0][t] = log2_sfu(x) + m_ref;
+        }
+        // Row g of each item's P (tokens x columns): columns 2t, 2t + 1 = head t's value-scaled
+        // probability, high and low bf16 parts; transposed, the B fragment of P^T.
+        std::uint32_t hi, lo;
+        warp::split_16<true>(pa * vs_a, pb * vs_b, hi, lo);
+        const std::uint32_t p_a = warp::transpose_8x8(__byte_perm(hi, lo, 0x5410));
+        const std::uint32_t p_b = warp::transpose_8x8(__byte_perm(hi, lo, 0x7632));
+        std::uint32_t v[D / 16][4];
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_a, p_b);
+      };
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
         const int li_a = 2 * (record_first + warp_id + k * warps_per_cta);
@@ -1794,32 +1982,44 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
         warp::cp_async_wait<RS - 1>();
         __syncwarp();
-        stage_key_meta<D, slots::meta>(s_a, lane_id);
-        stage_key_meta<D, slots::meta>(s_b, lane_id);
+        if constexpr (Transposed) {
+          stage_key_meta_pair<D, slots::meta>(s_a, s_b, lane_id);
+        } else {
+          stage_key_meta<D, slots::meta>(s_a, lane_id);
+          stage_key_meta<D, slots::meta>(s_b, lane_id);
+        }
         // The value codes' matrix loads go out before the scores, which hide their latency.
         std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
         load_value_codes<D, Bits>(L.ledger_format, s_a, lane_id, codes_a);
         load_value_codes<D, Bits>(L.ledger_format, s_b, lane_id, codes_b);
         __syncwarp();
-        float sa[2], sb[2];
-        if constexpr (QueryPerWindow) {
-          if (paired_rotation) {
-            score_relative_pair<D, slots::meta>(qr, cs_a, cs_b, L.layout, s_a, s_b, g, t, qf, sa, sb);
-          } else {
-            float ca[4], cb[4];
-            score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
-            sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
-          }
+        if constexpr (Transposed) {
+          float sa, sb, vs_a, vz_a, vs_b, vz_b;
+          score_record_pair_transposed<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
+          value_meta_of_token(L.ledger_format, s_a, g, vs_a, vz_a);
+          value_meta_of_token(L.ledger_format, s_b, g, vs_b, vz_b);
+          absorb_transposed(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, codes_a, codes_b);
         } else {
-          score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
+          float sa[2], sb[2];
+          if constexpr (QueryPerWindow) {
+            if (paired_rotation) {
+              score_relative_pair<D, slots::meta>(qr, cs_a, cs_b, L.layout, s_a, s_b, g, t, qf, sa, sb);
+            } else {
+              float ca[4], cb[4];
+              score_relative_records(std::integral_constant<int, slots::meta>{}, s_a, s_b, cs_a, cs_b, ca, cb);
+              sa[0] = ca[0] + ca[2], sa[1] = ca[1] + ca[3], sb[0] = cb[0] + cb[2], sb[1] = cb[1] + cb[3];
+            }
+          } else {
+            score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
+          }
+          float2 vs_a, vz_a, vs_b, vz_b;
+          value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
+          value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
+          absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
+            value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
+            value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
+          });
         }
-        float2 vs_a, vz_a, vs_b, vz_b;
-        value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
-        value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
-        absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
-          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
-          value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
-        });
         __syncwarp();  // the stage is rewritten by later pairs
       }
     }
@@ -1830,17 +2030,33 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // before it reads the masses.
   grid::let_next_kernel_start();
 
-  // Warp partials -> shared memory (the warp's own stages, now idle).
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
-  if (t == 0) mlz_s[warp_id][g] = make_float3(m_run, l_run, z_run);
+  // Warp partials -> shared memory (the warp's own stages, now idle): rows o_of(w)[n] are the
+  // output's columns n, the folded product's high parts in rows 0-3 and low parts in rows 4-7.
   using o_row = float[D + 1];
   auto o_of = [&](int w) { return reinterpret_cast<o_row*>(stage_s + w * stages * 2 * item_bytes<D>); };
   static_assert(8 * (D + 1) * 4 <= stages * 2 * item_bytes<D>, "the warp's stages hold its output partial");
-  {
-    o_row* os = o_of(warp_id);
+  o_row* os = o_of(warp_id);
+  if (Transposed && n_record_pairs > 0) {  // the transposed loop's layout: lane (g, t) holds head t
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 4);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 8);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 16);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, 4);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, 8);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, 16);
+    if (g == 0) mlz_s[warp_id][t] = make_float3(m_run, l_run, z_run);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+      os[t][16 * i + g] = o[i][0];
+      os[t + 4][16 * i + g] = o[i][1];
+      os[t][16 * i + g + 8] = o[i][2];
+      os[t + 4][16 * i + g + 8] = o[i][3];
+    }
+  } else {
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+    if (t == 0) mlz_s[warp_id][g] = make_float3(m_run, l_run, z_run);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       os[2 * t][16 * i + g] = o[i][0];
@@ -2098,7 +2314,8 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
       kernel<<<grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream>>>(L, a);
       QEVICT_CUDA_CHECK_LAUNCH("decode_attention_kernel");
     } else {
-      detail::prepare_queries_kernel<D, E == element_type::bf16, detail::record_query_of<Records, Bits>, Records == record_rotation::each_key>
+      detail::prepare_queries_kernel<D, E == element_type::bf16, detail::kernel_record_query<Records, W, Bits, FullBits, Fold>,
+                                     Records == record_rotation::each_key>
           <<<dim3(static_cast<unsigned>(a.batch), static_cast<unsigned>(L.kv_heads)), detail::prepare_threads, 0, stream>>>(L, a);
       QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
       launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);

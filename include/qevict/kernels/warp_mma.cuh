@@ -163,4 +163,13 @@ __device__ __forceinline__ void ldmatrix_trans(const void* smem, std::uint32_t* 
   ldmatrix_trans<N>(shared_address(smem), r);
 }
 
+/// The transpose of an 8x8 matrix of 16-bit elements held in the warp as C-like fragments (lane l
+/// holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1): lane l receives row l / 4 of the
+/// transpose. A C fragment of rows (tokens) x columns becomes a B fragment of the same matrix.
+__device__ __forceinline__ std::uint32_t transpose_8x8(std::uint32_t x) {
+  std::uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 }  // namespace qevict::kernels::warp
