@@ -1119,15 +1119,24 @@ __device__ __forceinline__ void score_relative_pair(const float (&qr)[D / 16][4]
 
 /// Value code field Field (0 .. 16/Bits - 1) of each register of r into the A fragments of its
 /// tile and row half (see record_value_fragments), for Field and every later field.
-template <bool Bf16, int Bits, int D, int Pieces, int Field = 0>
+template <bool Bf16, int Bits, int D, int Pieces, bool Biased = false, int Field = 0>
 __device__ __forceinline__ void value_code_fields(const std::uint32_t (&r)[Pieces], int h, std::uint32_t (&a)[D / 16][4]) {
   if constexpr (Field < 16 / Bits) {
     constexpr int tiles_per_piece = 128 / Bits / 16;
 #pragma unroll
     for (int p = 0; p < Pieces; ++p)
-      a[p * tiles_per_piece + Field / 2][2 * h + Field % 2] = warp::value_code_field<Bf16, Bits, Field>(r[p]);
-    value_code_fields<Bf16, Bits, D, Pieces, Field + 1>(r, h, a);
+      a[p * tiles_per_piece + Field / 2][2 * h + Field % 2] = warp::value_code_field<Bf16, Bits, Field, Biased>(r[p]);
+    value_code_fields<Bf16, Bits, D, Pieces, Biased, Field + 1>(r, h, a);
   }
+}
+
+/// The bias 2^E that value_code_fields<..., Biased = true> leaves in fragment i: its rows 0-7
+/// (half 0) hold field 2 (i mod tiles_per_piece) of their piece's registers, rows 8-15 the next
+/// field (value_code_fields).
+template <bool Bf16, int Bits>
+__device__ __forceinline__ float value_code_bias(int i, int half) {
+  constexpr int tiles_per_piece = 128 / Bits / 16;
+  return static_cast<float>(1 << warp::value_code_exponent<Bf16, Bits>(2 * (i % tiles_per_piece) + half));
 }
 
 /// 16-byte pieces of one token's value codes (128/Bits channels each).
@@ -1920,6 +1929,11 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
             }
         }
       }
+      // The value codes go into the output product biased (2^E + code, value_code_bias): the
+      // subtraction of 2^E leaves the loop, and one product of the same Pᵀ with rows of ones sums
+      // each column's probabilities (p_sums, rescaled with the output), so that the output loses
+      // 2^E times those sums once, after the loop.
+      [[maybe_unused]] float p_sums[4] = {0.f, 0.f, 0.f, 0.f};
       // absorb for the transposed product: sa, sb are head t's scores of token g of items li_a and
       // li_a + 1, (vs, vz) those tokens' value scale and zero, codes their value codes.
       [[maybe_unused]] auto absorb_transposed = [&](int li_a, float sa, float sb, float vs_a, float vz_a, float vs_b, float vz_b,
@@ -1943,6 +1957,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
             o[i][2] *= alpha;
             o[i][3] *= alpha;
           }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) p_sums[e] *= alpha;
         }
         const float m_ref = m_run == -INFINITY ? 0.0f : m_run;
         const float pa = exp2_sfu(sa - m_ref), pb = exp2_sfu(sb - m_ref);
@@ -1965,10 +1981,12 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         const std::uint32_t p_a = warp::transpose_8x8(__byte_perm(hi, lo, 0x5410));
         const std::uint32_t p_b = warp::transpose_8x8(__byte_perm(hi, lo, 0x7632));
         std::uint32_t v[D / 16][4];
-        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
-        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(codes_a, 0, v);
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(codes_b, 1, v);
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_a, p_b);
+        constexpr std::uint32_t ones = 0x3F803F80u;  // bf16 1.0 in both halves
+        warp::mma_16<Bf16>(p_sums, ones, ones, ones, ones, p_a, p_b);
       };
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
@@ -2021,6 +2039,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           });
         }
         __syncwarp();  // the stage is rewritten by later pairs
+      }
+      if constexpr (Transposed) {
+        // The biases out of the output (p_sums): rows g and g + 8 of every fragment, columns 2t, 2t + 1.
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[i][e] -= value_code_bias<Bf16, Bits>(i, e / 2) * p_sums[e];
       }
     }
   }

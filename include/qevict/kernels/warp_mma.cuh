@@ -97,18 +97,25 @@ __device__ __forceinline__ std::uint32_t and_or(std::uint32_t x, std::uint32_t b
 /// mantissa's low bits by a shift shared by a group of fields (the fields that fit below the
 /// exponent: 3 per shift for 2-bit codes in bf16, 5 in fp16), and given the exponent under which
 /// its lowest bit weighs 1: the half then holds 2^E + code exactly, and one subtraction of 2^E
-/// leaves the code.
-template <bool Bf16, int Bits, int Field>
+/// leaves the code (Biased: the half is returned as 2^E + code, value_code_exponent gives E).
+template <bool Bf16, int Bits>
+__host__ __device__ constexpr int value_code_exponent(int field) {
+  constexpr int mantissa = Bf16 ? 7 : 10;
+  return mantissa - field % (mantissa / Bits) * Bits;  // 2^E's last mantissa bit is the field's lowest
+}
+template <bool Bf16, int Bits, int Field, bool Biased = false>
 __device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
   static_assert(Bits == 2 || Bits == 4, "value_code_field: 2- or 4-bit codes");
   constexpr int mantissa = Bf16 ? 7 : 10;
   constexpr int per_shift = mantissa / Bits;
   constexpr int shift = Field / per_shift * per_shift * Bits, position = Field % per_shift * Bits;
-  constexpr int exponent = mantissa - position;  // 2^exponent's last mantissa bit is `position`
+  constexpr int exponent = value_code_exponent<Bf16, Bits>(Field);
   constexpr std::uint32_t bias = Bf16 ? (exponent + 127u) << 7 : (exponent + 15u) << 10;
   constexpr std::uint32_t mask = ((1u << Bits) - 1u) << position;
   const std::uint32_t biased = and_or<mask * 0x00010001u>(x >> shift, bias * 0x00010001u);
-  if constexpr (Bf16) {
+  if constexpr (Biased) {
+    return biased;
+  } else if constexpr (Bf16) {
     const __nv_bfloat162 h = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased),
                                      __bfloat162bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(bias))));
     return *reinterpret_cast<const std::uint32_t*>(&h);
