@@ -917,18 +917,23 @@ __device__ __forceinline__ void stage_key_meta(std::uint8_t* s_item, int lane_id
   });
 }
 
+/// Entry (s, t) of stage_key_meta_pair's zeros: 16 bytes at 64 (s mod D/32) + 16 t of item a's
+/// zero area for s < D/32, of item b's for the others (together 4 D bytes, the two areas'). The
+/// one place of that layout, for the stores and for paired_zeros' loads.
+template <int D, int MetaOffset = key_extra_offset<D>, class Byte>
+__device__ __forceinline__ Byte* paired_zero_entry(Byte* s_a, Byte* s_b, int s, int t) {
+  return (s < D / 32 ? s_a : s_b) + MetaOffset + 2 * D + 64 * (s % (D / 32)) + 16 * t;
+}
+
 /// stage_key_meta for both records of a pair in the transposed product, whose zero product takes
 /// the zeros of both as its A operand: the scales as stage_key_meta places them, the zeros of
 /// chunk s and thread column t as one 16-byte entry {zero pair (t, t + 8) of item a, of item b,
-/// pair (t + 4, t + 12) of item a, of item b} (A registers 0-3), at 64 (s mod D/32) + 16 t in item
-/// a's zero area for s < D/32 and in item b's for the others (together 4 D bytes, the two areas').
+/// pair (t + 4, t + 12) of item a, of item b} (A registers 0-3) at paired_zero_entry(s, t).
 template <int D, int MetaOffset = key_extra_offset<D>>
 __device__ __forceinline__ void stage_key_meta_pair(std::uint8_t* s_a, std::uint8_t* s_b, int lane_id) {
   auto zero_words = [=](int item) {
-    return [=](int m, int g, int t) {
-      const int s = 4 * m + t;  // the chunk of pair g / 4 of entry (s, g % 4)
-      std::uint8_t* area = (s < D / 32 ? s_a : s_b) + MetaOffset + 2 * D;
-      return reinterpret_cast<std::uint32_t*>(area + 64 * (s % (D / 32)) + 16 * (g & 3) + 8 * (g >> 2) + 4 * item);
+    return [=](int m, int g, int t) {  // pair g / 4 of entry (4m + t, g % 4)
+      return reinterpret_cast<std::uint32_t*>(paired_zero_entry<D, MetaOffset>(s_a, s_b, 4 * m + t, g & 3) + 8 * (g >> 2) + 4 * item);
     };
   };
   stage_key_meta_with<D, MetaOffset>(s_a, lane_id, zero_words(0));
@@ -938,7 +943,7 @@ __device__ __forceinline__ void stage_key_meta_pair(std::uint8_t* s_a, std::uint
 /// Where stage_key_meta_pair put the zero product's A registers of chunk s for thread column t.
 template <int D, int MetaOffset = key_extra_offset<D>>
 __device__ __forceinline__ uint4 paired_zeros(const std::uint8_t* s_a, const std::uint8_t* s_b, int s, int t) {
-  return *reinterpret_cast<const uint4*>((s < D / 32 ? s_a : s_b) + MetaOffset + 2 * D + 64 * (s % (D / 32)) + 16 * t);
+  return *reinterpret_cast<const uint4*>(paired_zero_entry<D, MetaOffset>(s_a, s_b, s, t));
 }
 
 /// Scores of a quantized item whose keys are stored after RoPE: c[0], c[1] = head g's scores of
