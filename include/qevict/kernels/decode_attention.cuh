@@ -2179,18 +2179,26 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
-/// Threads per CTA of the window-mass kernel. Its threads hold 4 heads' values and factors at once
+/// Threads per CTA of the window-mass kernel. Its threads hold 32 values and 32 factors at once
 /// (about 90 registers): at 128 threads a CTA, five CTAs fit on an SM (660 on an H200), so that the
 /// 640 CTAs of a 20 % step at batch 32 and 32K tokens all run at once (256 threads a CTA: two CTAs
 /// an SM, and that grid in two waves).
 constexpr int mass_threads = 128;
 
+/// KV heads whose values and factors a thread of the window-mass kernel loads before its first
+/// addition, for groups of at most MaxGroup query heads: 32 of each in registers, so that a unit
+/// of 8 KV heads with groups of at most 4 is summed after one round trip to memory.
+template <int MaxGroup>
+inline constexpr int mass_heads_at_once = 32 / MaxGroup;
+
 /// Window masses of a launch with EmitMass, after the decode kernel has merged its chunks: each
 /// listed or recent window's mass is the sum over its unit's query heads of its items' values
 /// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads, and
-/// goes into its score. Grid: (x, batch), one thread per window.
-template <int W, class Scorer>
+/// goes into its score. Grid: (x, batch), one thread per window. MaxGroup (4 or 8) bounds the
+/// launch's GQA group.
+template <int W, class Scorer, int MaxGroup>
 __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
+  static_assert(MaxGroup == 4 || MaxGroup == 8, "decode_mass_kernel: groups are loaded in 16-byte pieces of 4 heads");
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
@@ -2222,10 +2230,11 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
     // and factors follow (launch_dependent).
     grid::wait_for_previous_kernel();
     // The unit's heads in order, each over its query heads, in a fixed order of additions. The
-    // values and factors of 4 heads are loaded into registers of their own before the first
-    // addition, so that all their loads are in flight at once (a register that the next load
-    // reused would wait for the addition, and so for the load before it); a group of 4 or 8 query
-    // heads is loaded in 16-byte pieces.
+    // values and factors of mass_heads_at_once heads are loaded into registers of their own before
+    // the first addition, so that all their loads are in flight at once (a register that the next
+    // load reused would wait for the addition, and so for the load before it); a group of 4 or 8
+    // query heads is loaded in 16-byte pieces.
+    constexpr int K = mass_heads_at_once<MaxGroup>;
     const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
     const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
     const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
@@ -2235,16 +2244,16 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
       const int li = item0 + p, c = li / A.items_per_chunk;
       const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
       const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
-      for (int k0 = 0; k0 < hu; k0 += 4) {
-        float v[4][8], w[4][8];
+      for (int k0 = 0; k0 < hu; k0 += K) {
+        float v[K][MaxGroup], w[K][MaxGroup];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < K; ++k) {
           if (k0 + k >= hu) break;
           const float* vk = pm + (k0 + k) * head_stride;
           const float* wk = f + (k0 + k) * factor_stride;
           if (whole_pieces) {
 #pragma unroll
-            for (int q = 0; q < 2; ++q)
+            for (int q = 0; q < MaxGroup / 4; ++q)
               if (4 * q < G) {
                 const float4 a = *reinterpret_cast<const float4*>(vk + 4 * q), e = *reinterpret_cast<const float4*>(wk + 4 * q);
                 v[k][4 * q] = a.x, v[k][4 * q + 1] = a.y, v[k][4 * q + 2] = a.z, v[k][4 * q + 3] = a.w;
@@ -2252,15 +2261,15 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
               }
           } else {
 #pragma unroll
-            for (int hg = 0; hg < 8; ++hg)
+            for (int hg = 0; hg < MaxGroup; ++hg)
               if (hg < G) v[k][hg] = vk[hg], w[k][hg] = wk[hg];
           }
         }
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < K; ++k) {
           if (k0 + k >= hu) break;
 #pragma unroll
-          for (int hg = 0; hg < 8; ++hg)
+          for (int hg = 0; hg < MaxGroup; ++hg)
             if (hg < G) mass += v[k][hg] * w[k][hg];
         }
       }
@@ -2362,10 +2371,11 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
     const int max_windows = max_items * item_count::windows_per_item(W);
-    launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer>,
-                     dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
-                     dim3(detail::mass_threads), 0,
-                     stream, L, a);
+    const dim3 grid(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch));
+    if (L.group <= 4)
+      launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer, 4>, grid, dim3(detail::mass_threads), 0, stream, L, a);
+    else
+      launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer, 8>, grid, dim3(detail::mass_threads), 0, stream, L, a);
   }
 }
 
