@@ -2371,11 +2371,10 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
     const int max_windows = max_items * item_count::windows_per_item(W);
-    const dim3 grid(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch));
-    if (L.group <= 4)
-      launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer, 4>, grid, dim3(detail::mass_threads), 0, stream, L, a);
-    else
-      launch_dependent("decode_mass_kernel", detail::decode_mass_kernel<W, Scorer, 8>, grid, dim3(detail::mass_threads), 0, stream, L, a);
+    const auto mass_kernel = L.group <= 4 ? detail::decode_mass_kernel<W, Scorer, 4> : detail::decode_mass_kernel<W, Scorer, 8>;
+    launch_dependent("decode_mass_kernel", mass_kernel,
+                     dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
+                     dim3(detail::mass_threads), 0, stream, L, a);
   }
 }
 
