@@ -7,8 +7,10 @@
 // item gathers 8 windows from their Full slots; r1: an item is 8 Full windows or one record), W = 32 (r4 with records before RoPE, kivi2 with
 // records after RoPE: a window is 4 items, its record staged part by part), and W = 2, 4 and 16 in
 // configurations of their own (with and without records); so are 4-bit codes (kivi4 after RoPE at W = 32, kvquant_like
-// before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted), and a
-// quantized top tier (zipcache_like: 4-bit Full windows and 2-bit records in one attention pass).
+// before RoPE at W = 8, and three-tier INT4 caches whose records are promoted and demoted), 8-bit
+// codes (three-tier INT8 caches at W = 4, 8 and 16, before and after RoPE), and a quantized top
+// tier (zipcache_like: 4-bit Full windows and 2-bit records in one attention pass; 8-bit Full
+// windows over 2-bit records).
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -97,6 +99,38 @@ TEST_CASE("CUDA backend: 4-bit records that are promoted, demoted and evicted (t
   using int4_post = config<>::with_quantizer<quantizers::asymmetric<4, meta::bf16, quantizers::key_frame::after_rope>>;
   run_shapes<int4>(budget::fraction(0.20), 3001);
   run_shapes<int4_post>(budget::fraction(0.10), 3011);
+}
+
+TEST_CASE("CUDA backend: 8-bit records before and after RoPE, in windows of 4, 8 and 16 tokens, and as a quantized top tier") {
+  // 8-bit codes take the 4-bit records' paths (keys dequantized in fp32) with a code a byte; in
+  // bf16 a value code goes through fp32 (it does not fit below bf16's exponent). W = 16 stages a
+  // window in two parts, W = 4 copies a record in 4-byte pieces (one record per item), and a top
+  // tier of 8-bit records sits over 2-bit ones.
+  using post = quantizers::key_frame::after_rope;
+  using int8 = config<>::with_quantizer<quantizers::asymmetric<8>>;
+  using int8_post16 = config<>::with_window<window<16, 5, 32>>::with_quantizer<quantizers::asymmetric<8, meta::bf16, post>>;
+  using int8_four = config<>::with_window<window<4, 3, 32>>::with_quantizer<quantizers::asymmetric<8>>;
+  using top8 = config<>::with_full_tier<full_tier::quantized_as<quantizers::asymmetric<8>>>;
+  using top8_post = config<>::with_quantizer<quantizers::asymmetric<2, meta::bf16, post>>::with_full_tier<
+      full_tier::quantized_as<quantizers::asymmetric<8, meta::bf16, post>>>;
+  static_assert(backend::cuda_supports<int8> && backend::cuda_supports<int8_post16> && backend::cuda_supports<int8_four> &&
+                backend::cuda_supports<top8> && backend::cuda_supports<top8_post>);
+  // Records must be attended after the events (and, with the quantized top tier, Full windows too),
+  // or the test would not exercise the 8-bit paths.
+  long long full = 0, quantized = 0;
+  const auto count = [&](auto& t, sequence_id s, int l, gpu_test::routing_event) {
+    const tier_counts c = t.host.counts(s, l);
+    full += c.full;
+    quantized += c.quantized;
+  };
+  unsigned seed = run_shapes<int8, int8_post16, int8_four>(budget::fraction(0.20), 3101, count);
+  MESSAGE("8-bit ledger: window-events quantized " << quantized);
+  CHECK(quantized > 0);
+  full = quantized = 0;
+  run_shapes<top8, top8_post>(budget::fraction(0.30), seed, count);
+  MESSAGE("8-bit top tier: window-events full " << full << ", quantized " << quantized);
+  CHECK(full > 0);
+  CHECK(quantized > 0);
 }
 
 TEST_CASE("CUDA backend: a quantized top tier (4-bit Full windows over 2-bit records, as zipcache_like)") {

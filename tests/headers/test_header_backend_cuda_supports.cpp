@@ -7,5 +7,6 @@
 
 TEST_CASE("qevict/backend/cuda/supports.hpp stands alone: the paper's configuration runs on the CUDA backend") {
   CHECK(qevict::backend::cuda_supports<qevict::config<>>);
-  CHECK_FALSE(qevict::backend::cuda_supports<qevict::config<>::with_quantizer<qevict::quantizers::asymmetric<8>>>);
+  CHECK(qevict::backend::cuda_supports<qevict::config<>::with_quantizer<qevict::quantizers::asymmetric<8>>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<qevict::config<>::with_quantizer<qevict::quantizers::asymmetric<2, qevict::meta::f32>>>);
 }

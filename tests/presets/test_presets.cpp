@@ -965,14 +965,17 @@ TEST_CASE("backend::cuda_supports: every preset runs on the CUDA backend, and th
   CHECK_FALSE(cuda_support<presets::zipcache_like::config_type::with_window<qevict::window<4, 5, 32>>>::short_windows);
   // Value-weighted scores (criticalkv's) need a cache without records.
   CHECK_FALSE(cuda_support<presets::criticalkv::config_type::with_allocator<qevict::allocators::three_tier<>>>::scorer);
-  // INT4 codes before or after RoPE; not window-relative (its fp16 path is exact for 2-bit codes),
-  // not INT8.
+  // INT4 and INT8 codes before or after RoPE; not window-relative (its fp16 path is exact for
+  // 2-bit codes); scale and zero in bf16 only.
   using qevict::quantizers::asymmetric;
   namespace frame = qevict::quantizers::key_frame;
   CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4>>>);
   CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>);
   CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::bf16, frame::window_relative>>>);
-  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8>>>);
+  CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8>>>);
+  CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8, qevict::meta::bf16, frame::after_rope>>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<8, qevict::meta::bf16, frame::window_relative>>>);
+  CHECK_FALSE(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<4, qevict::meta::f32>>>);
   // A quantized top tier: records of a kernel quantizer in the ledger's key frame, windows of at
   // least 8 tokens, scores that do not weigh values.
   using qevict::full_tier::quantized_as;
@@ -981,7 +984,8 @@ TEST_CASE("backend::cuda_supports: every preset runs on the CUDA backend, and th
   CHECK(qevict::backend::cuda_supports<config<>::with_quantizer<asymmetric<2, qevict::meta::bf16, frame::after_rope>>::with_full_tier<
             quantized_as<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>>);
   CHECK_FALSE(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<4, qevict::meta::bf16, frame::after_rope>>>>::full_tier);
-  CHECK_FALSE(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<8>>>>::full_tier);
+  CHECK(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<8>>>>::full_tier);
+  CHECK_FALSE(cuda_support<config<>::with_full_tier<quantized_as<asymmetric<8, qevict::meta::f32>>>>::full_tier);
   CHECK_FALSE(cuda_support<config<>::with_quantizer<asymmetric<2, qevict::meta::bf16, frame::window_relative>>::with_full_tier<
                   quantized_as<asymmetric<4, qevict::meta::bf16, frame::window_relative>>>>::full_tier);
   CHECK_FALSE(cuda_support<config<>::with_window<qevict::window<4, 5, 32>>::with_allocator<qevict::allocators::two_tier>::with_full_tier<

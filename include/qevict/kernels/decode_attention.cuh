@@ -1,7 +1,7 @@
 #pragma once
 // Fused decode attention over a QEvict cache: one pass over the sinks, the Full windows (bf16 or
-// fp16 rows, or the records of a quantized top tier), the Quantized windows (INT2 or INT4 codes
-// dequantized in registers; keys quantized before RoPE are rotated in registers at their
+// fp16 rows, or the records of a quantized top tier), the Quantized windows (INT2, INT4 or INT8
+// codes dequantized in registers; keys quantized before RoPE are rotated in registers at their
 // positions, keys quantized after RoPE are used as they are) and the recent region, with each
 // window's attention mass as a by-product.
 //
@@ -123,7 +123,7 @@ struct item_count {
 /// ledger record or Full slot), and in its shared-memory copy, which is staged in the layout of an
 /// 8-token record (the window's record itself when W = 8).
 struct record_format {
-  int bits = 0;                ///< code width (2 or 4); 0: no records of this kind
+  int bits = 0;                ///< code width (2, 4 or 8); 0: no records of this kind
   std::size_t head_bytes = 0;  ///< one KV head's record (W tokens)
   /// Offsets in the window's record, where an item's parts are copied from.
   std::size_t key_scale = 0, value_codes = 0, value_scale = 0, value_zero = 0;
@@ -759,10 +759,25 @@ __device__ __forceinline__ void load_code_words(const std::uint8_t* token_codes,
   }
 }
 
-/// The codes of the thread's channels 16s + {2t, 2t+1, 2t+8, 2t+9} in a token's code words.
+/// The code words score_codes keeps of a token: all of them for 2- and 4-bit codes (8 or 16 at
+/// head_dim 128), none for 8-bit codes (32), whose thread_codes reads its two words of a chunk
+/// from shared memory instead of holding a whole row in registers.
 template <int D, int Bits>
-__device__ __forceinline__ void thread_codes(const std::uint32_t (&cw)[code_words<D, Bits>], int s, int t, std::uint32_t (&k)[4]) {
-  if constexpr (Bits == 2) {  // word s: channels 16s..16s+15
+constexpr int held_code_words = Bits == 8 ? 1 : code_words<D, Bits>;
+
+/// The codes of the thread's channels 16s + {2t, 2t+1, 2t+8, 2t+9}: from a token's code words
+/// (cw, load_code_words) or, for 8-bit codes, from its codes in shared memory (token_codes).
+template <int D, int Bits>
+__device__ __forceinline__ void thread_codes(const std::uint8_t* token_codes, const std::uint32_t (&cw)[held_code_words<D, Bits>],
+                                             int s, int t, std::uint32_t (&k)[4]) {
+  if constexpr (Bits == 8) {  // words 4s..4s+3, a channel a byte: channels 2t, 2t+1 in word 4s + t/2
+    const std::uint32_t* w = reinterpret_cast<const std::uint32_t*>(token_codes) + 4 * s + (t >> 1);
+    const std::uint32_t a = w[0] >> (16 * (t & 1)), b = w[2] >> (16 * (t & 1));
+    k[0] = a & 255u;
+    k[1] = (a >> 8) & 255u;
+    k[2] = b & 255u;
+    k[3] = (b >> 8) & 255u;
+  } else if constexpr (Bits == 2) {  // word s: channels 16s..16s+15
     const std::uint32_t w = cw[s] >> (4 * t);
     k[0] = w & 3u;
     k[1] = (w >> 2) & 3u;
@@ -784,15 +799,16 @@ template <int D, bool Bf16, int Bits, bool Rotate>
 __device__ __forceinline__ void score_codes(rope_layout layout, const record_format& f, const std::uint8_t* s_item, int g,
                                             int t, const float2* cs_j, const float2* cs_t0,
                                             const std::uint32_t (&qa)[D / 16][4], float (&c)[4]) {
-  std::uint32_t cw[code_words<D, Bits>];
-  load_code_words<D, Bits>(s_item + g * (D * Bits / 8), cw);
+  const std::uint8_t* token_codes = s_item + g * (D * Bits / 8);
+  std::uint32_t cw[held_code_words<D, Bits>];
+  if constexpr (Bits != 8) load_code_words<D, Bits>(token_codes, cw);
   const std::uint8_t* ks = s_item + f.staged_key_scale;
   const std::uint8_t* kz = s_item + f.staged_key_zero;
   float x[D / 16][4];
 #pragma unroll
   for (int s = 0; s < D / 16; ++s) {
     std::uint32_t code[4];
-    thread_codes<D, Bits>(cw, s, t, code);
+    thread_codes<D, Bits>(token_codes, cw, s, t, code);
     const std::uint32_t sc0 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 4 * t);
     const std::uint32_t sc1 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 16 + 4 * t);
     const std::uint32_t ze0 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 4 * t);
@@ -1154,8 +1170,15 @@ template <int D, int Bits>
 __device__ __forceinline__ void load_value_codes(const record_format& f, const std::uint8_t* s_item, int lane_id,
                                                  std::uint32_t (&r)[value_pieces<D, Bits>]) {
   constexpr int pieces = value_pieces<D, Bits>;
-  static_assert(pieces == 1 || pieces == 2 || pieces == 4, "load_value_codes: 1, 2 or 4 pieces of 16 bytes a token");
-  warp::ldmatrix_trans<pieces>(s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8) + (lane_id >> 3) % pieces * 16, r);
+  static_assert(pieces == 1 || pieces == 2 || pieces == 4 || pieces == 8, "load_value_codes: 1, 2, 4 or 8 pieces of 16 bytes a token");
+  // Lane l addresses token l % 8 of piece l / 8 (of the load's at most four pieces).
+  const std::uint8_t* row = s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8);
+  if constexpr (pieces == 8) {
+    warp::ldmatrix_trans<4>(row + (lane_id >> 3) * 16, r);
+    warp::ldmatrix_trans<4>(row + (4 + (lane_id >> 3)) * 16, r + 4);
+  } else {
+    warp::ldmatrix_trans<pieces>(row + (lane_id >> 3) % pieces * 16, r);
+  }
 }
 
 /// A fragments of V^T of a record's tokens 2t and 2t+1 (codes of Bits in format f) into

@@ -507,14 +507,15 @@ struct migration_item {
 /// Quantizes one KV head's keys (keys = true) or values of window w, read through `rd`, into the
 /// record head `rec` of quantizer Q, with one warp: the policy's own choose_scale_zero / code_of,
 /// keys rotated back into Q's key frame first (Rotates). Worker k (k < D/4) owns code slots
-/// 4k..4k+3, i.e. one code byte (2-bit codes) or two (4-bit codes) per token, so no two lanes
+/// 4k..4k+3, i.e. one code byte (2-bit codes), two (4-bit codes) or four (8-bit codes) per token, so no two lanes
 /// share a byte: key channels 4k..4k+3, and the value channels record_layout::value_channel
 /// places there.
 template <int D, int W, class Q, bool Rotates, class Reader>
 __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* rec, int w, int h, bool keys, int lane_id, long long window_start,
                               rope_layout layout, const double* inv_freq) {
-  static_assert(Q::bits == 2 || Q::bits == 4, "quantize_head: 2- or 4-bit codes");
-  using code_unit = std::conditional_t<Q::bits == 2, std::uint8_t, std::uint16_t>;  // a worker's 4 codes
+  static_assert(Q::bits == 2 || Q::bits == 4 || Q::bits == 8, "quantize_head: 2-, 4- or 8-bit codes");
+  using code_unit =  // a worker's 4 codes
+      std::conditional_t<Q::bits == 2, std::uint8_t, std::conditional_t<Q::bits == 4, std::uint16_t, std::uint32_t>>;
   constexpr int token_bytes = D * Q::bits / 8;
   const int worker = lane_id;
   const bool active = worker < D / 4;
@@ -595,7 +596,7 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
       Q::store_meta(rec + R.key_zero_offset(), c, z);
       const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
 #pragma unroll
-      for (int j = 0; j < W; ++j) bytes[j] |= static_cast<code_unit>(Q::code_of(kx[j][m], sf, zf) << (Q::bits * m));
+      for (int j = 0; j < W; ++j) bytes[j] |= static_cast<code_unit>(static_cast<unsigned>(Q::code_of(kx[j][m], sf, zf)) << (Q::bits * m));
     }
 #pragma unroll
     for (int j = 0; j < W; ++j) *reinterpret_cast<code_unit*>(rec + j * token_bytes + worker * sizeof(code_unit)) = bytes[j];
@@ -627,7 +628,7 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
       const float sf = Q::meta_type::decode(s), zf = Q::meta_type::decode(z);
       code_unit unit = 0;
 #pragma unroll
-      for (int m = 0; m < 4; ++m) unit |= static_cast<code_unit>(Q::code_of(vx[m], sf, zf) << (Q::bits * m));
+      for (int m = 0; m < 4; ++m) unit |= static_cast<code_unit>(static_cast<unsigned>(Q::code_of(vx[m], sf, zf)) << (Q::bits * m));
       *reinterpret_cast<code_unit*>(rec + R.value_codes_offset() + j * token_bytes + worker * sizeof(code_unit)) = unit;
     }
   }

@@ -95,17 +95,21 @@ __device__ __forceinline__ std::uint32_t and_or(std::uint32_t x, std::uint32_t b
 /// Field `Field` of a register of value codes (Bits wide, at bit Field * Bits of each 16-bit half;
 /// 16/Bits fields per half) as two exact integers in the 16-bit type. A field is moved into the
 /// mantissa's low bits by a shift shared by a group of fields (the fields that fit below the
-/// exponent: 3 per shift for 2-bit codes in bf16, 5 in fp16), and given the exponent under which
-/// its lowest bit weighs 1: the half then holds 2^E + code exactly, and one subtraction of 2^E
-/// leaves the code (Biased: the half is returned as 2^E + code, value_code_exponent gives E).
+/// exponent: 3 per shift for 2-bit codes in bf16, 5 in fp16, 1 for 8-bit codes in fp16), and given
+/// the exponent under which its lowest bit weighs 1: the half then holds 2^E + code exactly, and
+/// one subtraction of 2^E leaves the code (Biased: the half is returned as 2^E + code,
+/// value_code_exponent gives E). An 8-bit code does not fit below bf16's 7 mantissa bits (2^E + code
+/// needs 9 significant bits, the code alone at most 8): in bf16 it goes through fp32 instead.
 template <bool Bf16, int Bits>
 __host__ __device__ constexpr int value_code_exponent(int field) {
   constexpr int mantissa = Bf16 ? 7 : 10;
+  static_assert(Bits <= mantissa, "value_code_exponent: the codes do not fit below the exponent");
   return mantissa - field % (mantissa / Bits) * Bits;  // 2^E's last mantissa bit is the field's lowest
 }
-template <bool Bf16, int Bits, int Field, bool Biased = false>
-__device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
-  static_assert(Bits == 2 || Bits == 4, "value_code_field: 2- or 4-bit codes");
+
+/// value_code_field for codes that fit below the exponent (all but 8-bit codes in bf16).
+template <bool Bf16, int Bits, int Field, bool Biased>
+__device__ __forceinline__ std::uint32_t value_code_field_below_exponent(std::uint32_t x) {
   constexpr int mantissa = Bf16 ? 7 : 10;
   constexpr int per_shift = mantissa / Bits;
   constexpr int shift = Field / per_shift * per_shift * Bits, position = Field % per_shift * Bits;
@@ -122,6 +126,21 @@ __device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
   } else {
     const __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&biased), __half2half2(__ushort_as_half(static_cast<unsigned short>(bias))));
     return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+}
+
+template <bool Bf16, int Bits, int Field, bool Biased = false>
+__device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
+  static_assert(Bits == 2 || Bits == 4 || Bits == 8, "value_code_field: 2-, 4- or 8-bit codes");
+  if constexpr (Bf16 && Bits == 8) {
+    static_assert(!Biased, "value_code_field: 8-bit codes in bf16 have no biased form");
+    // 2^23 + code in fp32, exactly, minus 2^23; then to bf16, exactly (at most 8 significant bits).
+    const std::uint32_t c = x >> (8 * Field);
+    const float lo = __uint_as_float(0x4B000000u | (c & 0xffu)) - 8388608.0f;
+    const float hi = __uint_as_float(0x4B000000u | ((c >> 16) & 0xffu)) - 8388608.0f;
+    return pack_bf162(lo, hi);
+  } else {
+    return value_code_field_below_exponent<Bf16, Bits, Field, Biased>(x);
   }
 }
 

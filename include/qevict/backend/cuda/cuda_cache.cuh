@@ -95,10 +95,10 @@ class cuda_cache {
   static_assert(support::sinks, "qevict::backend::cuda: unsupported window policy: at most 8 sink tokens");
   static_assert(support::quantizer,
                 "qevict::backend::cuda: unsupported quantizer: only quantizers::asymmetric<Bits, meta::bf16, KeyFrame> with "
-                "Bits = 2 (any key frame) or Bits = 4 (key_frame::before_rope or after_rope)");
+                "Bits = 2 (any key frame), 4 or 8 (key_frame::before_rope or after_rope)");
   static_assert(support::full_tier,
                 "qevict::backend::cuda: unsupported full-tier policy: a quantized top tier (full_tier::quantized_as<Q>) needs Q "
-                "to be asymmetric<2 or 4, meta::bf16> in the same key frame as the ledger's quantizer, before or after RoPE");
+                "to be asymmetric<2, 4 or 8, meta::bf16> in the same key frame as the ledger's quantizer, before or after RoPE");
   static_assert(support::scorer,
                 "qevict::backend::cuda: unsupported scorer for this allocator: value-weighted attention needs an allocator "
                 "without quantized records (e.g. allocators::two_tier) and a top tier of token rows on the CUDA backend");

@@ -14,14 +14,17 @@
 namespace qevict::backend {
 
 namespace cuda_detail {
-/// INT2 codes in any key frame, INT4 codes with keys before or after RoPE (the window-relative
-/// frame's exact fp16 path needs 2-bit codes), bf16 scale and zero.
+/// INT2 codes in any key frame, INT4 and INT8 codes with keys before or after RoPE (the
+/// window-relative frame's exact fp16 path needs 2-bit codes), bf16 scale and zero.
 template <class Q>
 struct kernel_quantizer : std::false_type {};
 template <class Frame>
 struct kernel_quantizer<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
 template <class Frame>
 struct kernel_quantizer<quantizers::asymmetric<4, meta::bf16, Frame>>
+    : std::bool_constant<!std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
+template <class Frame>
+struct kernel_quantizer<quantizers::asymmetric<8, meta::bf16, Frame>>
     : std::bool_constant<!std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
 }  // namespace cuda_detail
 
@@ -41,7 +44,7 @@ struct cuda_support {
   /// windows shorter than an item are gathered from Full slots of token rows, or read one ledger
   /// record per item; a quantized top tier needs windows of at least 8 tokens.
   static constexpr bool short_windows = Config::window_policy::size >= 8 || !quantized_top;
-  /// INT2 or INT4 codes with bf16 scale and zero (INT4 not in the window-relative frame).
+  /// INT2, INT4 or INT8 codes with bf16 scale and zero (INT4 and INT8 not in the window-relative frame).
   static constexpr bool quantizer = cuda_detail::kernel_quantizer<typename Config::quantizer>::value;
   /// Token rows, or records of a kernel quantizer in the ledger's key frame, not window-relative
   /// (one key rotation per record for both tiers; the window-relative query path reads 2-bit
