@@ -919,9 +919,12 @@ __device__ __forceinline__ void stage_key_meta_with(std::uint8_t* s_item, int la
   const int g = lane_id >> 2, t = lane_id & 3;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const std::uint32_t scale = r[m], zero = r[M + m];
+    // 4 scale: 2 added to both bf16 exponents, one integer addition for the pair (a scale of 0
+    // becomes 2^-125, still 0 in fp16; scales of 2^126 and above, far outside fp16's range, would
+    // carry into the sign).
+    const std::uint32_t scale = r[m] + 0x01000100u, zero = r[M + m];
     std::uint32_t* at = reinterpret_cast<std::uint32_t*>(s_item + MetaOffset + 32 * (4 * m + t) + 8 * (g & 3) + 4 * (g >> 2));
-    at[0] = warp::pack_half2(4.0f * __uint_as_float(scale << 16), 4.0f * __uint_as_float(scale & 0xffff0000u));
+    at[0] = warp::pack_half2(__uint_as_float(scale << 16), __uint_as_float(scale & 0xffff0000u));
     *zero_word(m, g, t) = warp::pack_half2(__uint_as_float(zero << 16), __uint_as_float(zero & 0xffff0000u));
   }
 }
@@ -2016,12 +2019,22 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         constexpr std::uint32_t ones = 0x3F803F80u;  // bf16 1.0 in both halves
         warp::mma_16<Bf16>(p_sums, ones, ones, ones, ones, p_a, p_b);
       };
+      // A pair's slots start where its records' addresses put them (record_slots::start): their
+      // offsets are loaded one pair ahead, so that the shared-memory round trip that reads them
+      // is not the head of the pair's chain (copies, slot addresses, staged metadata, scores).
+      auto record_offsets = [&](int k) {
+        const int li = 2 * (record_first + warp_id + k * warps_per_cta);
+        return k < my_pairs ? make_uint2(items_s[li].offset, items_s[li + 1].offset) : make_uint2(0u, 0u);
+      };
+      uint2 next_offsets = record_offsets(0);
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
         const int li_a = 2 * (record_first + warp_id + k * warps_per_cta);
+        const uint2 offsets = next_offsets;
+        next_offsets = record_offsets(k + 1);
         std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
-        std::uint8_t* s_a = slots::start(slot, region + items_s[li_a].offset);
-        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + items_s[li_a + 1].offset);
+        std::uint8_t* s_a = slots::start(slot, region + offsets.x);
+        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
         float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
         float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
         if constexpr (QueryPerWindow)
