@@ -813,11 +813,8 @@ __device__ __forceinline__ void score_codes(rope_layout layout, const record_for
     const std::uint32_t sc1 = *reinterpret_cast<const std::uint32_t*>(ks + 32 * s + 16 + 4 * t);
     const std::uint32_t ze0 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 4 * t);
     const std::uint32_t ze1 = *reinterpret_cast<const std::uint32_t*>(kz + 32 * s + 16 + 4 * t);
-    // 2^23 + code, exactly, minus 2^23: a full-rate conversion.
-    const float k0 = __uint_as_float(0x4B000000u | code[0]) - 8388608.0f;
-    const float k1 = __uint_as_float(0x4B000000u | code[1]) - 8388608.0f;
-    const float k8 = __uint_as_float(0x4B000000u | code[2]) - 8388608.0f;
-    const float k9 = __uint_as_float(0x4B000000u | code[3]) - 8388608.0f;
+    const float k0 = warp::code_as_float(code[0]), k1 = warp::code_as_float(code[1]);
+    const float k8 = warp::code_as_float(code[2]), k9 = warp::code_as_float(code[3]);
     x[s][0] = fmaf(__uint_as_float(sc0 << 16), k0, __uint_as_float(ze0 << 16));
     x[s][1] = fmaf(__uint_as_float(sc0 & 0xffff0000u), k1, __uint_as_float(ze0 & 0xffff0000u));
     x[s][2] = fmaf(__uint_as_float(sc1 << 16), k8, __uint_as_float(ze1 << 16));
@@ -1174,14 +1171,12 @@ __device__ __forceinline__ void load_value_codes(const record_format& f, const s
                                                  std::uint32_t (&r)[value_pieces<D, Bits>]) {
   constexpr int pieces = value_pieces<D, Bits>;
   static_assert(pieces == 1 || pieces == 2 || pieces == 4 || pieces == 8, "load_value_codes: 1, 2, 4 or 8 pieces of 16 bytes a token");
-  // Lane l addresses token l % 8 of piece l / 8 (of the load's at most four pieces).
+  constexpr int per_load = pieces < 4 ? pieces : 4;  // a matrix load takes at most 4 matrices
+  // In load q, lane l addresses token l % 8 of piece per_load q + (l / 8) % per_load.
   const std::uint8_t* row = s_item + f.staged_value_codes + (lane_id & 7) * (D * Bits / 8);
-  if constexpr (pieces == 8) {
-    warp::ldmatrix_trans<4>(row + (lane_id >> 3) * 16, r);
-    warp::ldmatrix_trans<4>(row + (4 + (lane_id >> 3)) * 16, r + 4);
-  } else {
-    warp::ldmatrix_trans<pieces>(row + (lane_id >> 3) % pieces * 16, r);
-  }
+#pragma unroll
+  for (int q = 0; q < pieces / per_load; ++q)
+    warp::ldmatrix_trans<per_load>(row + (per_load * q + (lane_id >> 3) % per_load) * 16, r + per_load * q);
 }
 
 /// A fragments of V^T of a record's tokens 2t and 2t+1 (codes of Bits in format f) into
@@ -1917,12 +1912,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       constexpr int RS = slots::stages;
       // Window-relative records of a group of at most 4 heads: one query rotation per pair.
       [[maybe_unused]] const bool paired_rotation = QueryPerWindow && G <= 4;
+      // Item a of the warp's k-th pair of records (item b follows it).
+      auto record_item = [&](int k) { return 2 * (record_first + warp_id + k * warps_per_cta); };
       auto issue = [&](int k) {
         if (k < my_pairs) {
-          const int pair = record_first + warp_id + k * warps_per_cta;
+          const int li = record_item(k);
           std::uint8_t* slot = my_stages + (k % RS) * 2 * slots::bytes;
-          const std::uint8_t* src_a = region + items_s[2 * pair].offset;
-          const std::uint8_t* src_b = region + items_s[2 * pair + 1].offset;
+          const std::uint8_t* src_a = region + items_s[li].offset;
+          const std::uint8_t* src_b = region + items_s[li + 1].offset;
           copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot, src_a), src_a, lane_id);
           copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot + slots::bytes, src_b), src_b, lane_id);
         }
@@ -2023,13 +2020,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       // offsets are loaded one pair ahead, so that the shared-memory round trip that reads them
       // is not the head of the pair's chain (copies, slot addresses, staged metadata, scores).
       auto record_offsets = [&](int k) {
-        const int li = 2 * (record_first + warp_id + k * warps_per_cta);
+        const int li = record_item(k);
         return k < my_pairs ? make_uint2(items_s[li].offset, items_s[li + 1].offset) : make_uint2(0u, 0u);
       };
       uint2 next_offsets = record_offsets(0);
       for (int k = 0; k < my_pairs; ++k) {
         issue(k + RS - 1);
-        const int li_a = 2 * (record_first + warp_id + k * warps_per_cta);
+        const int li_a = record_item(k);
         const uint2 offsets = next_offsets;
         next_offsets = record_offsets(k + 1);
         std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;

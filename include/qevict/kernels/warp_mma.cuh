@@ -83,6 +83,12 @@ __device__ __forceinline__ void split_16(float x, float y, std::uint32_t& hi, st
   lo = pack_16<Bf16>(x - back.x, y - back.y);
 }
 
+/// A code (below 2^23) as an exact float: 2^23 + code, built by placing the code in the mantissa,
+/// minus 2^23 — one LOP3 and one addition, full rate, instead of a conversion.
+__device__ __forceinline__ float code_as_float(std::uint32_t code) {
+  return __uint_as_float(0x4B000000u | code) - 8388608.0f;
+}
+
 /// (x & mask) | bits in one LOP3. Written out because the compiler, given two constants, emits
 /// an AND and an OR; here `bits` lives in a register, which the loops that call this hoist.
 template <std::uint32_t Mask>
@@ -134,11 +140,9 @@ __device__ __forceinline__ std::uint32_t value_code_field(std::uint32_t x) {
   static_assert(Bits == 2 || Bits == 4 || Bits == 8, "value_code_field: 2-, 4- or 8-bit codes");
   if constexpr (Bf16 && Bits == 8) {
     static_assert(!Biased, "value_code_field: 8-bit codes in bf16 have no biased form");
-    // 2^23 + code in fp32, exactly, minus 2^23; then to bf16, exactly (at most 8 significant bits).
+    // Exact in fp32, then exact in bf16 (at most 8 significant bits).
     const std::uint32_t c = x >> (8 * Field);
-    const float lo = __uint_as_float(0x4B000000u | (c & 0xffu)) - 8388608.0f;
-    const float hi = __uint_as_float(0x4B000000u | ((c >> 16) & 0xffu)) - 8388608.0f;
-    return pack_bf162(lo, hi);
+    return pack_bf162(code_as_float(c & 0xffu), code_as_float((c >> 16) & 0xffu));
   } else {
     return value_code_field_below_exponent<Bf16, Bits, Field, Biased>(x);
   }

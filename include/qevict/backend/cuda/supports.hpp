@@ -18,14 +18,9 @@ namespace cuda_detail {
 /// window-relative frame's exact fp16 path needs 2-bit codes), bf16 scale and zero.
 template <class Q>
 struct kernel_quantizer : std::false_type {};
-template <class Frame>
-struct kernel_quantizer<quantizers::asymmetric<2, meta::bf16, Frame>> : std::true_type {};
-template <class Frame>
-struct kernel_quantizer<quantizers::asymmetric<4, meta::bf16, Frame>>
-    : std::bool_constant<!std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
-template <class Frame>
-struct kernel_quantizer<quantizers::asymmetric<8, meta::bf16, Frame>>
-    : std::bool_constant<!std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
+template <int Bits, class Frame>
+struct kernel_quantizer<quantizers::asymmetric<Bits, meta::bf16, Frame>>
+    : std::bool_constant<Bits == 2 || !std::is_same_v<Frame, quantizers::key_frame::window_relative>> {};
 }  // namespace cuda_detail
 
 /// The CUDA backend's condition on each policy of Config.
