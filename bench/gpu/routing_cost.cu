@@ -12,74 +12,32 @@
 //                              shared-memory sort
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <random>
 #include <string_view>
 #include <vector>
 
-#include "qevict/backend/cuda.cuh"
-#include "qevict/presets.hpp"
+#include "backend_setup.cuh"
 
 using namespace qevict;
 
 namespace {
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-float* upload_random(std::size_t n, unsigned seed, float sd) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, sd);
-  std::vector<float> h(n);
-  for (auto& x : h) x = d(rng);
-  float* p = nullptr;
-  QEVICT_CUDA_CHECK(cudaMalloc(&p, n * sizeof(float)));
-  QEVICT_CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  return p;
-}
-
 template <class Config>
 void run(const char* frame, double fraction, int rounds, cudaStream_t st, int context = 32768) {
-  const int batch = 32, prompt = context - 1024;
-  geometry g;
-  g.layers = 1;
-  g.q_heads = 32;
-  g.kv_heads = 8;
-  g.head_dim = 128;
-  g.element = element_type::bf16;
-  g.rope.theta = 500000.0f;
-  options opt;
-  opt.routing = routing_mode::manual;
-  backend::cuda_cache<Config> kv(g, budget::fraction(fraction), limits{.max_batch = batch, .max_tokens = context}, opt, nullptr, 0,
-                                   backend::cuda_settings{st});
-  const std::size_t krow = 8 * 128, qrow = 32 * 128;
-  float* k = upload_random(static_cast<std::size_t>(prompt) * krow, 1, 1.0f);
-  float* v = upload_random(static_cast<std::size_t>(prompt) * krow, 2, 1.0f);
-  float* q = upload_random(32 * qrow, 3, 1.5f);
-  std::vector<sequence_id> seqs;
-  for (int b = 0; b < batch; ++b) {
-    seqs.push_back(kv.add_sequence(1000LL * b));
-    kv.prefill(0, seqs.back(), q, 32, k, v, nullptr, prompt);
-  }
-  kv.check();
-  float* step_k = upload_random(batch * krow, 4, 1.0f);
-  float* step_v = upload_random(batch * krow, 5, 1.0f);
-  float* step_q = upload_random(batch * qrow, 6, 1.5f);
-  float* out = nullptr;
-  QEVICT_CUDA_CHECK(cudaMalloc(&out, batch * qrow * sizeof(float)));
+  bench::backend_state<Config> s(fraction, st, 32, context);
+  auto& kv = s.kv;
+  const auto& seqs = s.seqs;
+  const int batch = s.batch;
   std::vector<cudaEvent_t> ev(2 * 8 + 2);
   for (auto& e : ev) QEVICT_CUDA_CHECK(cudaEventCreate(&e));
   std::vector<float> t_steps, t_attend, t_route;
   for (int r = 0; r < rounds + 2; ++r) {
     QEVICT_CUDA_CHECK(cudaEventRecord(ev[0], st));
     for (int i = 0; i < 8; ++i) {
-      kv.append_batch(0, seqs, step_k, step_v);
+      kv.append_batch(0, seqs, s.step_k, s.step_v);
       QEVICT_CUDA_CHECK(cudaEventRecord(ev[1 + 2 * i], st));
-      kv.attend_batch(0, seqs, step_q, out);
+      kv.attend_batch(0, seqs, s.step_q, s.out);
       QEVICT_CUDA_CHECK(cudaEventRecord(ev[2 + 2 * i], st));
     }
     kv.route_batch(0, seqs);
@@ -99,7 +57,7 @@ void run(const char* frame, double fraction, int rounds, cudaStream_t st, int co
   }
   kv.check();
   const tier_counts c = kv.counts(seqs[0], 0);
-  const float ms_steps = median(t_steps), ms_attend = median(t_attend), ms_route = median(t_route);
+  const float ms_steps = bench::median(t_steps), ms_attend = bench::median(t_attend), ms_route = bench::median(t_route);
   std::printf("| %s | %d | %d | %.0f%% | %zu / %zu / %zu | %.4f | %.4f | %.4f | %.1f%% | %.1f%% |\n", frame, batch, context, fraction * 100, c.full,
               c.quantized, c.evicted, ms_attend, ms_steps, ms_route, 100.0 * ms_route / ms_attend, 100.0 * ms_route / ms_steps);
   std::fflush(stdout);
@@ -108,8 +66,7 @@ void run(const char* frame, double fraction, int rounds, cudaStream_t st, int co
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   QEVICT_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  kv.append_batch(0, seqs, step_k, step_v);
-  kv.attend_batch(0, seqs, step_q, out);
+  s.step();
   kv.route_batch(0, seqs);
   QEVICT_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
   QEVICT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
@@ -119,7 +76,6 @@ void run(const char* frame, double fraction, int rounds, cudaStream_t st, int co
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   for (auto& e : ev) cudaEventDestroy(e);
-  for (float* p : {k, v, q, step_k, step_v, step_q, out}) cudaFree(p);
 }
 
 }  // namespace

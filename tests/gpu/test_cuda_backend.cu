@@ -113,6 +113,52 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_fram
 
 TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
+/// scan_finite on one block of `threads` (the attend prologue's and the append kernel's form).
+__global__ void scan_on_one_block(const float* x, std::size_t n, kernels::device_error* e) {
+  kernels::detail::scan_finite(x, n, e, 2, 0);
+}
+
+TEST_CASE("CUDA backend: the finiteness scan finds one NaN or infinity wherever it is, aligned or not") {
+  // Every element of x is finite but one; the scan must record that one (its kind and index), in
+  // both forms (one block, a grid), whether x is 16-byte aligned (loads of 4 elements, and the
+  // elements past the last whole piece) or not (loads of one element), for lengths around the
+  // loads in flight, and record nothing where every element is finite.
+  const std::vector<std::size_t> lengths = {1, 3, 4, 5, 31, 4096, 4099, 33 * 1024 + 7, 131072};
+  device_buffer<float> x(131072 + 4);
+  device_buffer<kernels::device_error> e(1);
+  int cases = 0;
+  for (std::size_t offset : {std::size_t{0}, std::size_t{1}, std::size_t{2}})
+    for (std::size_t n : lengths)
+      for (int form = 0; form < 2; ++form) {
+        std::vector<std::size_t> where = {n, 0, n - 1, n / 2, n / 3 + 1};  // n: none
+        if (n > 4) where.push_back(n / 4 * 4);                              // the first element past the whole pieces
+        for (std::size_t bad : where)
+          for (float value : {NAN, INFINITY, -INFINITY}) {
+            if (bad == n && !(value != value)) continue;  // the all-finite case once (with the NaN)
+            std::vector<float> host(offset + n, 1.5f);
+            if (bad < n) host[offset + bad] = value;
+            x.upload(host);
+            QEVICT_CUDA_CHECK(cudaMemset(e.ptr, 0, sizeof(kernels::device_error)));
+            if (form == 0)
+              scan_on_one_block<<<1, 1024>>>(x.ptr + offset, n, e.ptr);
+            else
+              kernels::detail::scan_finite_kernel<<<3, 256>>>(x.ptr + offset, n, e.ptr, 2, 0);
+            QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
+            const kernels::device_error got = e.download()[0];
+            INFO("offset ", offset, ", n ", n, ", form ", form, ", bad ", bad, ", value ", value);
+            if (bad == n) {
+              CHECK(got.code == 0);
+            } else {
+              CHECK(got.code == (value != value ? 1 : 2));
+              CHECK(got.index == static_cast<long long>(bad));
+              CHECK(got.call == 2);
+            }
+            ++cases;
+          }
+      }
+  MESSAGE(cases, " scans");
+}
+
 TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   const geometry g = small_layer();
   options opt;

@@ -107,17 +107,64 @@ __device__ __forceinline__ bool check_finite(const float* x, std::size_t i, devi
   return false;
 }
 
-/// Scans x[0, n) on one block; the first non-finite value found sets the flag.
+/// Loads a thread of scan_finite issues before it tests any of them.
+inline constexpr int scan_loads_in_flight = 8;
+
+__device__ __forceinline__ bool all_finite(float v) { return numeric::is_finite(v); }
+__device__ __forceinline__ bool all_finite(float4 v) {
+  return numeric::is_finite(v.x) & numeric::is_finite(v.y) & numeric::is_finite(v.z) & numeric::is_finite(v.w);
+}
+
+/// Whether p[first], p[first + stride], ... (below `loads`) are all finite: scan_loads_in_flight
+/// loads at a time, every one issued before the first test, and no branch on a loaded value.
+template <class T>
+__device__ __forceinline__ bool all_finite(const T* p, std::size_t loads, std::size_t first, std::size_t stride) {
+  constexpr int U = scan_loads_in_flight;
+  bool ok = true;
+  std::size_t j = first;
+  for (; j + (U - 1) * stride < loads; j += U * stride) {
+    T v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = p[j + u * stride];
+#pragma unroll
+    for (int u = 0; u < U; ++u) ok &= all_finite(v[u]);
+  }
+  for (; j < loads; j += stride) ok &= all_finite(p[j]);
+  return ok;
+}
+
+/// Scans x[0, n) with threads `first`, `first + stride`, ... (of a block or a grid), each taking
+/// every stride-th 16-byte piece (every stride-th element where x is not 16-byte aligned); the
+/// first non-finite value found sets the flag. A loop that stopped at the first non-finite value
+/// could not issue a load before it had tested the last one, one round trip to memory per
+/// element a thread reads; all_finite keeps several in flight. Only a thread that found a
+/// non-finite value looks again, element by element, to record one.
+__device__ inline void scan_finite(const float* x, std::size_t n, std::size_t first, std::size_t stride, device_error* e,
+                                   int call, int input) {
+  const bool pieces = reinterpret_cast<std::uintptr_t>(x) % 16 == 0;
+  const std::size_t per_load = pieces ? 4 : 1, loads = n / per_load;
+  bool ok = pieces ? all_finite(reinterpret_cast<const float4*>(x), loads, first, stride) : all_finite(x, loads, first, stride);
+  const bool tail = pieces && first == 0;  // the elements past the last whole piece: the first thread's
+  if (tail)
+    for (std::size_t i = loads * 4; i < n; ++i) ok &= numeric::is_finite(x[i]);
+  if (ok) return;
+  for (std::size_t j = first; j < loads; j += stride)
+    for (std::size_t c = 0; c < per_load; ++c)
+      if (!check_finite(x, j * per_load + c, e, call, input)) return;
+  if (tail)
+    for (std::size_t i = loads * 4; i < n; ++i)
+      if (!check_finite(x, i, e, call, input)) return;
+}
+
+/// scan_finite on one block (every block that calls it scans all of x).
 __device__ inline void scan_finite(const float* x, std::size_t n, device_error* e, int call, int input) {
-  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x)
-    if (!check_finite(x, i, e, call, input)) break;
+  scan_finite(x, n, threadIdx.x, blockDim.x, e, call, input);
 }
 
 /// Multi-block version for large inputs (prefill).
 __global__ void scan_finite_kernel(const float* x, std::size_t n, device_error* e, int call, int input) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
-    if (!check_finite(x, i, e, call, input)) return;
+  scan_finite(x, n, blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x, static_cast<std::size_t>(gridDim.x) * blockDim.x,
+              e, call, input);
 }
 
 /// Rotates the pair (x0, x1) by the angle whose cosine and sine are (c, s) (sign 1) or by its
