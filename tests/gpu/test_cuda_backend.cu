@@ -113,7 +113,7 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_fram
 
 TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
-/// scan_finite on one block of `threads` (the attend prologue's and the append kernel's form).
+/// scan_finite on one block, the form the attend prologue and the append kernel use.
 __global__ void scan_on_one_block(const float* x, std::size_t n, kernels::device_error* e) {
   kernels::detail::scan_finite(x, n, e, 2, 0);
 }
