@@ -44,7 +44,7 @@ template <class Config>
 struct backend_state {
   static constexpr int observation_rows = 32;  ///< query rows of each prompt's observation window
   geometry g = llama_layer();
-  int batch, context, prompt;
+  int batch, prompt;
   backend::cuda_cache<Config> kv;
   std::vector<sequence_id> seqs;
   float *k = nullptr, *v = nullptr, *q = nullptr;                 // one prompt (every sequence's)
@@ -52,7 +52,7 @@ struct backend_state {
   float* out = nullptr;
 
   backend_state(double fraction, cudaStream_t stream, int batch_ = 32, int context_ = 32768)
-      : batch(batch_), context(context_), prompt(context_ - decode_headroom),
+      : batch(batch_), prompt(context_ - decode_headroom),
         kv(g, budget::fraction(fraction), limits{.max_batch = batch_, .max_tokens = context_}, manual_routing(), nullptr, 0,
            backend::cuda_settings{stream}) {
     const std::size_t kv_row = static_cast<std::size_t>(g.kv_heads) * g.head_dim, q_row = static_cast<std::size_t>(g.q_heads) * g.head_dim;

@@ -143,10 +143,9 @@ __device__ inline void scan_finite(const float* x, std::size_t n, std::size_t fi
                                    int call, int input) {
   const bool pieces = reinterpret_cast<std::uintptr_t>(x) % 16 == 0;
   const std::size_t per_load = pieces ? 4 : 1, loads = n / per_load;
-  bool ok = pieces ? all_finite(reinterpret_cast<const float4*>(x), loads, first, stride) : all_finite(x, loads, first, stride);
   const bool tail = pieces && first == 0;  // the elements past the last whole piece: the first thread's
-  if (tail)
-    for (std::size_t i = loads * 4; i < n; ++i) ok &= numeric::is_finite(x[i]);
+  bool ok = pieces ? all_finite(reinterpret_cast<const float4*>(x), loads, first, stride) : all_finite(x, loads, first, stride);
+  if (tail) ok &= all_finite(x + loads * 4, n - loads * 4, 0, 1);
   if (ok) return;
   for (std::size_t j = first; j < loads; j += stride)
     for (std::size_t c = 0; c < per_load; ++c)
