@@ -33,6 +33,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "qevict/kernels/cache_state.cuh"
+#include "qevict/kernels/dependent_launch.cuh"
 
 namespace qevict::kernels {
 
@@ -46,6 +47,16 @@ struct route_source {
 namespace detail {
 
 constexpr int route_threads = 1024;
+
+/// The decide kernel's block scans, its radix sort's among them. Warp scans would finish each scan
+/// by having every thread fold in the totals of all 32 warps (route_threads / 32 steps per
+/// thread); with one CTA per lane and a handful of scans per event, those steps were about half
+/// of the kernel's instructions. Raking leaves that serial part to one warp.
+constexpr cub::BlockScanAlgorithm route_scan = cub::BLOCK_SCAN_RAKING;
+
+/// The decide kernel's stable radix sort of Items (key, table entry) pairs per thread.
+template <int Items>
+using route_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int, 4, true, route_scan>;
 
 /// Items per decide-kernel thread for `count` items (a lane's table entries or windows, or the
 /// candidates the radix sort ranks): the smallest of 1, 4 or 16 that holds them.
@@ -108,11 +119,10 @@ struct route_candidate {
 template <class Scorer, class Routing, int MaxItems>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
-  using move_scan = cub::BlockScan<move_counts, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using list_scan = cub::BlockScan<int, route_threads, cub::BLOCK_SCAN_WARP_SCANS>;
-  // The packed candidates, then the radix sort's storage (route_decide_bytes<MaxItems>).
+  using move_scan = cub::BlockScan<move_counts, route_threads, route_scan>;
+  using list_scan = cub::BlockScan<int, route_threads, route_scan>;
+  // The packed candidates, then the radix sort's storage, then move_scan's (route_decide_bytes<MaxItems>).
   extern __shared__ __align__(16) unsigned char sort_storage[];
-  __shared__ typename move_scan::TempStorage move_storage;
   __shared__ typename list_scan::TempStorage list_storage;
   __shared__ int kept_by_full;
   const decode_layout& L = P.L;
@@ -174,7 +184,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   move_counts T;
   int full_top = 0, ledger_top = 0;  // stack sizes after the pushes
   const auto rank_and_move = [&]<int Items>() {
-    using radix_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int>;
+    using radix_sort = route_sort<Items>;
     const int mine = Items * static_cast<int>(threadIdx.x);  // the rank of this thread's first item
     std::uint32_t key[Items];
     int entry[Items];
@@ -238,7 +248,8 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     }
     // Each kind's rank of this thread's first item, and the totals, in rank order.
     move_counts before;
-    move_scan(move_storage).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
+    // The sort's storage is free since the barrier above.
+    move_scan(*reinterpret_cast<typename move_scan::TempStorage*>(sort_storage)).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
     const int full0 = extra.free_full, ledger0 = extra.free_ledger;
     full_top = full0 + T[0] + T[1];
     ledger_top = ledger0 + T[4];
@@ -361,14 +372,15 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
 }
 
 /// Dynamic shared memory of route_decide_kernel<Scorer, Routing, MaxItems>: the packed candidates,
-/// or the largest radix sort it may run, whichever is larger.
+/// the largest radix sort it may run, or the scan of the move counts, whichever is larger.
 template <int MaxItems>
 constexpr std::size_t route_decide_bytes() {
   std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
   const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
-  at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 1, int>::TempStorage));
-  if constexpr (MaxItems >= 4) at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 4, int>::TempStorage));
-  if constexpr (MaxItems >= 16) at_least(sizeof(typename cub::BlockRadixSort<std::uint32_t, route_threads, 16, int>::TempStorage));
+  at_least(sizeof(typename cub::BlockScan<move_counts, route_threads, route_scan>::TempStorage));
+  at_least(sizeof(typename route_sort<1>::TempStorage));
+  if constexpr (MaxItems >= 4) at_least(sizeof(typename route_sort<4>::TempStorage));
+  if constexpr (MaxItems >= 16) at_least(sizeof(typename route_sort<16>::TempStorage));
   return bytes;
 }
 
@@ -395,7 +407,7 @@ __device__ __forceinline__ float record_value(const quantizers::record_layout& R
 /// record sources a kernel can meet (void: none of that kind), so that the per-element reads of a
 /// kernel that meets only token rows carry no record branch. A Full slot and a record hold the
 /// heads of one unit: KV head h is head L.head_in_unit(h) there.
-template <int D, int W, class LedgerQ, class FullQ, bool Rotates>
+template <int D, int W, element_type E, class LedgerQ, class FullQ, bool Rotates>
 struct token_reader {
   const cache_params* P;
   const std::byte* region;
@@ -475,7 +487,7 @@ struct token_reader {
       const int head = kind == 0 ? h : L.head_in_unit(h);
       const std::byte* base = kind == 0 ? region + L.recent_offset
                                         : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
-      return numeric::load(P->element, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
+      return numeric::load(E, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
     }
     const std::size_t t = static_cast<std::size_t>(L.sinks) + static_cast<std::size_t>(w) * W + j;
     return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
@@ -640,12 +652,15 @@ __device__ __forceinline__ void quantize_head(const Reader& rd, std::uint8_t* re
 template <class F>
 __device__ __forceinline__ void for_each_migration_item(const cache_params& P, const cache_pointers& S, const lane_list& list,
                                                         bool store, F&& f) {
-  if (failed(S.error)) return;
   const decode_layout& L = P.L;
+  // What no kernel of the event writes is read before the previous kernel (the decide kernel, or
+  // the quantize kernel before the store kernel) has finished (launch_dependent).
   const int l = list.lane[blockIdx.x];
-  const int n_tasks = S.task_counts[2 * blockIdx.x + (store ? 1 : 0)];
   std::byte* region = S.arena + L.region_offset(l);
   const long long first = S.lanes[l].first_position;
+  grid::wait_for_previous_kernel();
+  if (failed(S.error)) return;
+  const int n_tasks = S.task_counts[2 * blockIdx.x + (store ? 1 : 0)];
   const int warps = blockDim.x / 32 * gridDim.y;
   const migration_task* tasks = (store ? S.store_tasks : S.quantize_tasks) + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
   for (int item = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32; item < n_tasks * L.heads_per_unit * 2; item += warps)
@@ -655,14 +670,14 @@ __device__ __forceinline__ void for_each_migration_item(const cache_params& P, c
 /// Quantizes window tasks (windows of W tokens, the KV heads of one unit) into ledger records: one
 /// warp per (task, KV head, keys or values). FullQ: the top tier's quantizer (void: token rows),
 /// for demotions from a Full slot.
-template <int D, int W, class Q, class FullQ, bool Rotates>
+template <int D, int W, element_type E, class Q, class FullQ, bool Rotates>
 __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                        const route_source src) {
   const decode_layout& L = P.L;
   for_each_migration_item(P, S, list, false, [&](const migration_item& m, std::byte* region, long long first) {
     const auto [task, keys, in_unit, h, w] = m;
     // Sources: the recent ring, the prefill's rows or a Full slot (never a ledger record).
-    const token_reader<D, W, void, FullQ, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
+    const token_reader<D, W, E, void, FullQ, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(in_unit) * L.ledger_format.head_bytes);
     quantize_head<D, W, Q, Rotates>(rd, rec, w, h, keys, threadIdx.x & 31, first + L.sinks + static_cast<long long>(w) * W,
@@ -674,7 +689,7 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
 /// newly aged windows, one warp per (task, KV head, keys or values). Token rows take the keys after
 /// RoPE (a promoted record dequantized and rotated to its positions); a quantized top tier
 /// (FullQ not void) re-encodes them as FullQ records, as the host backend's store_full does.
-template <int D, int W, class Q, class FullQ, bool Rotates>
+template <int D, int W, element_type E, class Q, class FullQ, bool Rotates>
 __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
   const decode_layout& L = P.L;
@@ -683,7 +698,7 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
     const auto [task, keys, in_unit, h, w] = m;
     std::byte* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     // Sources: the recent ring, the prefill's rows or a ledger record (never a Full slot).
-    const token_reader<D, W, Q, void, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
+    const token_reader<D, W, E, Q, void, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
     if constexpr (!std::is_void_v<FullQ>) {
       quantize_head<D, W, FullQ, Rotates>(rd, reinterpret_cast<std::uint8_t*>(slot) + static_cast<std::size_t>(in_unit) * L.full_format.head_bytes,
                                           w, h, keys, lane_id, first + L.sinks + static_cast<long long>(w) * W, L.layout, S.inv_freq);
@@ -694,12 +709,12 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
         pair_members(L.layout, D, i, a, b);
         float x0, x1;
         rd.key_pair(w, j, h, i, a, b, x0, x1);
-        numeric::store(P.element, slot, key_index(D, W, in_unit, j, a), x0);
-        numeric::store(P.element, slot, key_index(D, W, in_unit, j, b), x1);
+        numeric::store(E, slot, key_index(D, W, in_unit, j, a), x0);
+        numeric::store(E, slot, key_index(D, W, in_unit, j, b), x1);
       }
       for (int e = lane_id; !keys && e < W * D; e += 32) {
         const int j = e / D, c = e % D;
-        numeric::store(P.element, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
+        numeric::store(E, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
       }
     }
   });

@@ -180,9 +180,10 @@ class cuda_cache {
                         std::to_string(kernels::detail::route_max_entries) +
                         " windows, or window-heads with per-KV-head selection)");
     with_route_decide(sort_capacity, [&]<int MaxItems>() {
+      // Always, not only past 48 KB of dynamic memory: the kernel's static shared memory (a block
+      // scan's) counts against the same default limit.
       const std::size_t smem = kernels::detail::route_decide_bytes<MaxItems>();
-      if (smem > 48 * 1024)
-        QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>,
+      QEVICT_CUDA_CHECK(cudaFuncSetAttribute(kernels::detail::route_decide_kernel<scorer, routing_policy, MaxItems>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     });
 
@@ -641,14 +642,19 @@ class cuda_cache {
     // whose scores meet the decode mass, and small budgets, where ranks churn); enough CTAs of 8
     // warps per lane keep those from serializing, and CTAs without work return at once.
     const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : QEVICT_ROUTE_CTAS_PER_LANE);
-    const auto migrate = [&]<int D>() {
-      kernels::detail::quantize_kernel<D, W::size, quantizer, full_quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
-      QEVICT_CUDA_CHECK_LAUNCH("quantize_kernel");
-      kernels::detail::store_full_kernel<D, W::size, quantizer, full_quantizer, records_rotate><<<grid, 256, 0, st>>>(P, S_, list, src);
+    // Each starts while the kernel before it finishes, and waits for it before it reads its tasks.
+    // The element type is a template argument, so that each element's load or store is one
+    // conversion rather than a switch over three: the code a warp runs through once per event
+    // (one window's keys or values) is what an event waits for.
+    const auto migrate = [&]<int D, element_type E>() {
+      kernels::launch_dependent("quantize_kernel", kernels::detail::quantize_kernel<D, W::size, E, quantizer, full_quantizer, records_rotate>,
+                                grid, dim3(256), 0, st, P, S_, list, src);
+      kernels::launch_dependent("store_full_kernel", kernels::detail::store_full_kernel<D, W::size, E, quantizer, full_quantizer, records_rotate>,
+                                grid, dim3(256), 0, st, P, S_, list, src);
     };
-    if (geo_.head_dim == 128) migrate.template operator()<128>();
-    else migrate.template operator()<64>();
-    QEVICT_CUDA_CHECK_LAUNCH("store_full_kernel");
+    const bool bf16 = geo_.element == element_type::bf16;
+    if (geo_.head_dim == 128) bf16 ? migrate.template operator()<128, element_type::bf16>() : migrate.template operator()<128, element_type::f16>();
+    else bf16 ? migrate.template operator()<64, element_type::bf16>() : migrate.template operator()<64, element_type::f16>();
     for (int i = 0; i < list.n; ++i) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[i])];
       m.aged = std::max(m.aged, aged_windows_for(m.tokens));
