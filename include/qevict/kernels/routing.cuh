@@ -405,14 +405,18 @@ __device__ __forceinline__ float record_value(const quantizers::record_layout& R
 /// of LedgerQ (kind 3). A record is dequantized and its keys are rotated by their key frame's read
 /// rotation when Rotates, as the host backend's dequantize_rotated does. LedgerQ and FullQ name the
 /// record sources a kernel can meet (void: none of that kind), so that the per-element reads of a
-/// kernel that meets only token rows carry no record branch. A Full slot and a record hold the
-/// heads of one unit: KV head h is head L.head_in_unit(h) there.
-template <int D, int W, element_type E, class LedgerQ, class FullQ, bool Rotates>
+/// kernel that meets only token rows carry no record branch. The source kind is a template argument
+/// too (with_source picks it once per task): a warp reads one window per task, element by element,
+/// and with a kind known at compile time each element's read is one address and one load rather
+/// than a branch over four places. A Full slot and a record hold the heads of one unit: KV head h
+/// is head L.head_in_unit(h) there.
+template <int D, int W, element_type E, class LedgerQ, class FullQ, bool Rotates, int Kind>
 struct token_reader {
+  static_assert(Kind >= 0 && Kind <= 3, "token_reader: the source kind is 0 (recent ring), 1 (Full slot), 2 (prefill rows) or 3 (ledger record)");
   const cache_params* P;
   const std::byte* region;
   route_source src;
-  int kind, slot;
+  int slot;
   long long first_position;  ///< of the lane's first token
   const double* inv_freq;
 
@@ -458,10 +462,10 @@ struct token_reader {
   /// KV head h's record in the source, or nullptr for token rows.
   __device__ __forceinline__ const std::uint8_t* record(int h) const {
     const decode_layout& L = P->L;
-    if (ledger_records && kind == 3)
+    if constexpr (ledger_records && Kind == 3)
       return reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(slot) * L.record_bytes) +
              static_cast<std::size_t>(L.head_in_unit(h)) * L.ledger_format.head_bytes;
-    if (full_records && kind == 1)
+    if constexpr (full_records && Kind == 1)
       return reinterpret_cast<const std::uint8_t*>(region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes) +
              static_cast<std::size_t>(L.head_in_unit(h)) * L.full_format.head_bytes;
     return nullptr;
@@ -473,7 +477,7 @@ struct token_reader {
     return value ? record_value<Q>(R, rec, j, c) : record_key<Q>(R, rec, j, c);
   }
   __device__ __forceinline__ float from_record(bool value, const std::uint8_t* rec, int j, int c) const {
-    if constexpr (ledger_records && full_records) return kind == 1 ? element_of<FullQ>(value, rec, j, c) : element_of<LedgerQ>(value, rec, j, c);
+    if constexpr (ledger_records && full_records) return Kind == 1 ? element_of<FullQ>(value, rec, j, c) : element_of<LedgerQ>(value, rec, j, c);
     else if constexpr (full_records) return element_of<FullQ>(value, rec, j, c);
     else return element_of<LedgerQ>(value, rec, j, c);
   }
@@ -481,11 +485,11 @@ struct token_reader {
   /// (kind 0), a Full slot (kind 1) or the prefill's rows.
   __device__ __forceinline__ float load(bool value, int w, int j, int h, int c) const {
     const decode_layout& L = P->L;
-    if (kind == 0 || kind == 1) {
-      const int capacity = kind == 0 ? L.recent_capacity : W;
-      const int s = kind == 0 ? (w * W + j) % L.recent_capacity : j;
-      const int head = kind == 0 ? h : L.head_in_unit(h);
-      const std::byte* base = kind == 0 ? region + L.recent_offset
+    if constexpr (Kind == 0 || Kind == 1) {
+      const int capacity = Kind == 0 ? L.recent_capacity : W;
+      const int s = Kind == 0 ? (w * W + j) % L.recent_capacity : j;
+      const int head = Kind == 0 ? h : L.head_in_unit(h);
+      const std::byte* base = Kind == 0 ? region + L.recent_offset
                                         : region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes;
       return numeric::load(E, base, value ? value_index(D, capacity, head, s, c) : key_index(D, capacity, head, s, c));
     }
@@ -493,6 +497,16 @@ struct token_reader {
     return (value ? src.v : src.k_post)[(t * L.kv_heads + h) * D + c];
   }
 };
+
+/// f.template operator()<Kind>() for a migration task's source kind, one of the Kinds a kernel meets
+/// (the last of them for any other value).
+template <int... Kinds, class F>
+QEVICT_HOST_DEVICE constexpr void with_source(int kind, F&& f) {
+  constexpr int kinds[] = {Kinds...};
+  constexpr int last = kinds[sizeof...(Kinds) - 1];
+  bool done = false;
+  ((!done && (kind == Kinds || Kinds == last) ? (f.template operator()<Kinds>(), done = true) : false), ...);
+}
 
 /// Work item `item` of a lane's migration tasks for the quantize and store kernels: (task, KV head
 /// of the task's unit, keys or values), so that a window's keys and values go to two warps at once
@@ -676,12 +690,14 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   const decode_layout& L = P.L;
   for_each_migration_item(P, S, list, false, [&](const migration_item& m, std::byte* region, long long first) {
     const auto [task, keys, in_unit, h, w] = m;
-    // Sources: the recent ring, the prefill's rows or a Full slot (never a ledger record).
-    const token_reader<D, W, E, void, FullQ, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
     std::uint8_t* rec = reinterpret_cast<std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(task.dst_slot) * L.record_bytes +
                                                         static_cast<std::size_t>(in_unit) * L.ledger_format.head_bytes);
-    quantize_head<D, W, Q, Rotates>(rd, rec, w, h, keys, threadIdx.x & 31, first + L.sinks + static_cast<long long>(w) * W,
-                                    L.layout, S.inv_freq);
+    // Sources: the recent ring, a Full slot or the prefill's rows (never a ledger record).
+    with_source<0, 1, 2>(task.source, [&]<int Kind>() {
+      const token_reader<D, W, E, void, FullQ, Rotates, Kind> rd{&P, region, src, task.src_slot, first, S.inv_freq};
+      quantize_head<D, W, Q, Rotates>(rd, rec, w, h, keys, threadIdx.x & 31, first + L.sinks + static_cast<long long>(w) * W,
+                                      L.layout, S.inv_freq);
+    });
   });
 }
 
@@ -698,25 +714,43 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
     const auto [task, keys, in_unit, h, w] = m;
     std::byte* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     // Sources: the recent ring, the prefill's rows or a ledger record (never a Full slot).
-    const token_reader<D, W, E, Q, void, Rotates> rd{&P, region, src, task.source, task.src_slot, first, S.inv_freq};
-    if constexpr (!std::is_void_v<FullQ>) {
-      quantize_head<D, W, FullQ, Rotates>(rd, reinterpret_cast<std::uint8_t*>(slot) + static_cast<std::size_t>(in_unit) * L.full_format.head_bytes,
-                                          w, h, keys, lane_id, first + L.sinks + static_cast<long long>(w) * W, L.layout, S.inv_freq);
-    } else {
-      for (int e = lane_id; keys && e < W * (D / 2); e += 32) {
-        const int j = e / (D / 2), i = e % (D / 2);
-        int a, b;
-        pair_members(L.layout, D, i, a, b);
-        float x0, x1;
-        rd.key_pair(w, j, h, i, a, b, x0, x1);
-        numeric::store(E, slot, key_index(D, W, in_unit, j, a), x0);
-        numeric::store(E, slot, key_index(D, W, in_unit, j, b), x1);
+    with_source<0, 2, 3>(task.source, [&]<int Kind>() {
+      const token_reader<D, W, E, Q, void, Rotates, Kind> rd{&P, region, src, task.src_slot, first, S.inv_freq};
+      if constexpr (!std::is_void_v<FullQ>) {
+        quantize_head<D, W, FullQ, Rotates>(rd, reinterpret_cast<std::uint8_t*>(slot) + static_cast<std::size_t>(in_unit) * L.full_format.head_bytes,
+                                            w, h, keys, lane_id, first + L.sinks + static_cast<long long>(w) * W, L.layout, S.inv_freq);
+      } else {
+        // A lane takes fixed channels across a batch of tokens and reads the whole batch before it
+        // stores any of it: the reads overlap, and a record's scales and zeros, shared by the
+        // batch's tokens (keys) or by a token's channels (values), are loaded once.
+        constexpr int tokens = W < 8 ? W : 8;
+        for (int i = lane_id; keys && i < D / 2; i += 32) {
+          int a, b;
+          pair_members(L.layout, D, i, a, b);
+          for (int j0 = 0; j0 < W; j0 += tokens) {
+            float x[tokens][2];
+#pragma unroll
+            for (int t = 0; t < tokens; ++t) rd.key_pair(w, j0 + t, h, i, a, b, x[t][0], x[t][1]);
+#pragma unroll
+            for (int t = 0; t < tokens; ++t) {
+              numeric::store(E, slot, key_index(D, W, in_unit, j0 + t, a), x[t][0]);
+              numeric::store(E, slot, key_index(D, W, in_unit, j0 + t, b), x[t][1]);
+            }
+          }
+        }
+        for (int j0 = 0; !keys && j0 < W; j0 += tokens) {
+          float x[tokens][D / 32];
+#pragma unroll
+          for (int t = 0; t < tokens; ++t)
+#pragma unroll
+            for (int m = 0; m < D / 32; ++m) x[t][m] = rd.value(w, j0 + t, h, lane_id + 32 * m);
+#pragma unroll
+          for (int t = 0; t < tokens; ++t)
+#pragma unroll
+            for (int m = 0; m < D / 32; ++m) numeric::store(E, slot, value_index(D, W, in_unit, j0 + t, lane_id + 32 * m), x[t][m]);
+        }
       }
-      for (int e = lane_id; !keys && e < W * D; e += 32) {
-        const int j = e / D, c = e % D;
-        numeric::store(E, slot, value_index(D, W, in_unit, j, c), rd.value(w, j, h, c));
-      }
-    }
+    });
   });
 }
 
