@@ -63,6 +63,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "qevict/core/layout.hpp"
@@ -2411,13 +2412,24 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   }
 }
 
+/// f.template operator()<D, E>() for a cache's head_dim D (64 or 128) and element type E (bf16 or
+/// f16): the one place that maps the two to the kernels' instantiations. `who` names the caller in
+/// the error for any other value.
+template <class F>
+void with_head_dim_and_element(const char* who, int head_dim, element_type e, F&& f) {
+  qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
+                          [&] { return std::string(who) + ": the cache element type must be bf16 or f16"; });
+  const bool bf16 = e == element_type::bf16;
+  if (head_dim == 128) bf16 ? f.template operator()<128, element_type::bf16>() : f.template operator()<128, element_type::f16>();
+  else if (head_dim == 64) bf16 ? f.template operator()<64, element_type::bf16>() : f.template operator()<64, element_type::f16>();
+  else throw error(std::string(who) + ": head_dim must be 64 or 128");
+}
+
 /// Runtime dispatch over head_dim, element type and key frame; the window size W and the code widths
 /// (Bits: the ledger's; FullBits: a quantized top tier's, 0 for token rows) are the cache's.
 template <bool EmitMass, class Scorer, int W = 8, int Bits = 2, int FullBits = 0>
 void decode_attention(element_type e, const decode_layout& L, const decode_arguments& args, int max_items,
                       cudaStream_t stream) {
-  qevict::detail::require(e == element_type::bf16 || e == element_type::f16,
-                  "decode_attention: the cache element type must be bf16 or f16");
   const auto with_frame = [&]<int D, element_type E>() {
     switch (L.records) {
       case record_rotation::each_key: decode_attention<D, E, EmitMass, record_rotation::each_key, Scorer, W, Bits, FullBits>(L, args, max_items, stream); break;
@@ -2428,15 +2440,7 @@ void decode_attention(element_type e, const decode_layout& L, const decode_argum
         break;
     }
   };
-  if (L.head_dim == 128) {
-    if (e == element_type::bf16) with_frame.template operator()<128, element_type::bf16>();
-    else with_frame.template operator()<128, element_type::f16>();
-  } else if (L.head_dim == 64) {
-    if (e == element_type::bf16) with_frame.template operator()<64, element_type::bf16>();
-    else with_frame.template operator()<64, element_type::f16>();
-  } else {
-    throw error("decode_attention: head_dim must be 64 or 128");
-  }
+  with_head_dim_and_element("decode_attention", L.head_dim, e, with_frame);
 }
 
 }  // namespace qevict::kernels

@@ -99,6 +99,7 @@ struct move_counts {
 struct move_counts_sum {
   __device__ move_counts operator()(const move_counts& a, const move_counts& b) const { return a + b; }
 };
+using route_move_scan = cub::BlockScan<move_counts, route_threads, route_scan>;
 
 /// A candidate of a routing event: its sort key (descending_score_key) and table entry.
 struct route_candidate {
@@ -119,7 +120,7 @@ struct route_candidate {
 template <class Scorer, class Routing, int MaxItems>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
-  using move_scan = cub::BlockScan<move_counts, route_threads, route_scan>;
+  using move_scan = route_move_scan;
   using list_scan = cub::BlockScan<int, route_threads, route_scan>;
   // The packed candidates, then the radix sort's storage, then move_scan's (route_decide_bytes<MaxItems>).
   extern __shared__ __align__(16) unsigned char sort_storage[];
@@ -377,7 +378,7 @@ template <int MaxItems>
 constexpr std::size_t route_decide_bytes() {
   std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
   const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
-  at_least(sizeof(typename cub::BlockScan<move_counts, route_threads, route_scan>::TempStorage));
+  at_least(sizeof(typename route_move_scan::TempStorage));
   at_least(sizeof(typename route_sort<1>::TempStorage));
   if constexpr (MaxItems >= 4) at_least(sizeof(typename route_sort<4>::TempStorage));
   if constexpr (MaxItems >= 16) at_least(sizeof(typename route_sort<16>::TempStorage));

@@ -652,9 +652,7 @@ class cuda_cache {
       kernels::launch_dependent("store_full_kernel", kernels::detail::store_full_kernel<D, W::size, E, quantizer, full_quantizer, records_rotate>,
                                 grid, dim3(256), 0, st, P, S_, list, src);
     };
-    const bool bf16 = geo_.element == element_type::bf16;
-    if (geo_.head_dim == 128) bf16 ? migrate.template operator()<128, element_type::bf16>() : migrate.template operator()<128, element_type::f16>();
-    else bf16 ? migrate.template operator()<64, element_type::bf16>() : migrate.template operator()<64, element_type::f16>();
+    kernels::with_head_dim_and_element("route", geo_.head_dim, geo_.element, migrate);
     for (int i = 0; i < list.n; ++i) {
       mirror& m = mirrors_[static_cast<std::size_t>(list.lane[i])];
       m.aged = std::max(m.aged, aged_windows_for(m.tokens));
