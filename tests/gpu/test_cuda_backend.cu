@@ -1,6 +1,7 @@
 // qevict::cache<Config, backend::cuda> against the host backend (the oracle) for the paper's
 // configuration, the two-tier allocator and the two other key frames of the records: outputs, scores, routing tables after every event and
-// the arenas must agree (backend_comparison.cuh says how closely). A NaN on the device is reported
+// the arenas must agree (backend_comparison.cuh says how closely). The decide kernel's sort of up to
+// 1024 candidates is checked alone against a stable sort, on scores that tie. A NaN on the device is reported
 // by the next check() and leaves the cache as it was. Decode steps captured in CUDA graphs give what
 // the same calls give when made directly.
 //
@@ -10,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -31,6 +34,19 @@ using window_relative = presets::qevict_window_relative::config_type;
 
 /// One layer, 2 KV heads of 64 channels, GQA 4, bf16: small enough for single-purpose cases.
 geometry small_layer() { return geometry{.layers = 1, .q_heads = 8, .kv_heads = 2, .head_dim = 64, .element = element_type::bf16}; }
+
+/// The decide kernel's sort of at most one candidate a thread, alone: thread t brings score[t] and
+/// entry[t] for t < n (packed in entry order, as the kernel packs them) and the kernel's padding
+/// behind them; out[t] is the entry of rank t, out_keys[t] its key.
+__global__ void sort_candidates_kernel(const float* score, const int* entry, int n, int* out, std::uint32_t* out_keys) {
+  __shared__ unsigned long long buffer[2 * kernels::detail::route_threads];
+  const int t = static_cast<int>(threadIdx.x);
+  std::uint32_t key = t < n ? kernels::detail::descending_score_key(score[t]) : kernels::detail::not_a_candidate;
+  int e = t < n ? entry[t] : 0;
+  kernels::detail::bitonic_sort_block(key, e, buffer);
+  out[t] = e;
+  out_keys[t] = key;
+}
 
 }  // namespace
 
@@ -79,6 +95,44 @@ TEST_CASE("CUDA backend: routing events over thousands of windows (tables of 4 a
   for (const case_spec& c : cases) {
     CAPTURE(c.max_tokens);
     run_case<paper>(c, seed++);
+  }
+}
+
+TEST_CASE("CUDA backend: the decide kernel's sort of up to 1024 candidates ranks equal scores by table entry") {
+  // Scores drawn from a handful of values (+0 and -0 among them, which rank as equal) tie
+  // everywhere; the order must be the host's ranks_before: score descending, then entry ascending,
+  // i.e. a stable sort of the candidates in entry order. Counts around warp and power-of-two edges.
+  std::mt19937 rng(404);
+  const std::vector<float> values = {0.0f, -0.0f, 0.25f, 1.0f, 3.5f, 1e-30f, -2.0f};
+  for (const int n : {0, 1, 2, 31, 32, 33, 540, 1000, 1023, 1024}) {
+    CAPTURE(n);
+    for (int round = 0; round < 4; ++round) {
+      std::vector<float> score(std::max(n, 1));
+      std::vector<int> entry(std::max(n, 1));
+      int at = 0;
+      for (int i = 0; i < n; ++i) {
+        // Rounds 0-1 tie everywhere; rounds 2-3 mix ties with distinct random scores.
+        score[i] = round < 2 || rng() % 2 ? values[rng() % values.size()] : std::uniform_real_distribution<float>(-4.0f, 4.0f)(rng);
+        at += 1 + static_cast<int>(rng() % 5);  // increasing entries with gaps, as packed
+        entry[i] = at;
+      }
+      std::vector<int> expected(n);
+      for (int i = 0; i < n; ++i) expected[i] = i;
+      std::stable_sort(expected.begin(), expected.end(), [&](int a, int b) { return score[a] > score[b]; });
+      device_buffer<float> ds(score);
+      device_buffer<int> de(entry), dout(kernels::detail::route_threads);
+      device_buffer<std::uint32_t> dkeys(kernels::detail::route_threads);
+      sort_candidates_kernel<<<1, kernels::detail::route_threads>>>(ds.ptr, de.ptr, n, dout.ptr, dkeys.ptr);
+      QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<int> got = dout.download();
+      const std::vector<std::uint32_t> keys = dkeys.download();
+      int wrong = 0;
+      for (int r = 0; r < n; ++r) wrong += got[r] != entry[expected[r]];
+      CHECK(wrong == 0);
+      int misplaced_padding = 0;
+      for (int r = n; r < kernels::detail::route_threads; ++r) misplaced_padding += keys[r] != kernels::detail::not_a_candidate;
+      CHECK(misplaced_padding == 0);
+    }
   }
 }
 

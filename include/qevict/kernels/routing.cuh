@@ -54,12 +54,13 @@ constexpr int route_threads = 1024;
 /// of the kernel's instructions. Raking leaves that serial part to one warp.
 constexpr cub::BlockScanAlgorithm route_scan = cub::BLOCK_SCAN_RAKING;
 
-/// The decide kernel's stable radix sort of Items (key, table entry) pairs per thread.
+/// The decide kernel's stable radix sort of Items (key, table entry) pairs per thread, for more than
+/// route_threads candidates (bitonic_sort_block sorts fewer).
 template <int Items>
 using route_sort = cub::BlockRadixSort<std::uint32_t, route_threads, Items, int, 4, true, route_scan>;
 
 /// Items per decide-kernel thread for `count` items (a lane's table entries or windows, or the
-/// candidates the radix sort ranks): the smallest of 1, 4 or 16 that holds them.
+/// candidates the sort ranks): the smallest of 1, 4 or 16 that holds them.
 constexpr int route_items_for(int count) { return count <= route_threads ? 1 : count <= 4 * route_threads ? 4 : 16; }
 constexpr int route_max_entries = 16 * route_threads;
 
@@ -101,6 +102,41 @@ struct move_counts_sum {
 };
 using route_move_scan = cub::BlockScan<move_counts, route_threads, route_scan>;
 
+/// Sorts the CTA's route_threads (key, entry) pairs, one a thread, by key and then entry, ascending:
+/// afterwards thread t holds the pair of rank t. The decide kernel's sort of at most route_threads
+/// candidates (a decode event's, at small budgets). A bitonic network of 55 compare-exchange steps:
+/// the 40 between lanes of one warp by shuffles, the 15 across warps through `buffer` (2 *
+/// route_threads words), one barrier each. cub's radix sort would take 8 passes of 4 bits, each of
+/// which clears, scans and rewrites every thread's digit counters (about 30 shared-memory operations
+/// and 6 barriers a pass) however few the candidates. Entries are distinct for real candidates, so
+/// the order is the stable sort's (ranks_before).
+__device__ __forceinline__ void bitonic_sort_block(std::uint32_t& key, int& entry, unsigned long long* buffer) {
+  static_assert(route_threads == 1024, "bitonic_sort_block: the network below is unrolled for 1024 threads");
+  const int t = static_cast<int>(threadIdx.x);
+  unsigned long long v = static_cast<unsigned long long>(key) << 32 | static_cast<std::uint32_t>(entry);
+  int step = 0;  // which half of buffer the next step across warps writes
+#pragma unroll
+  for (int k = 2; k <= route_threads; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      unsigned long long other;
+      if (j >= 32) {
+        // Two halves, alternately: a step writes the half that the step before it did not read.
+        unsigned long long* half = buffer + (step++ & 1) * route_threads;
+        half[t] = v;
+        __syncthreads();
+        other = half[t ^ j];
+      } else {
+        other = __shfl_xor_sync(0xffffffffu, v, j);
+      }
+      const bool keep_smaller = ((t & j) == 0) == ((t & k) == 0);
+      v = keep_smaller ? (other < v ? other : v) : (other > v ? other : v);
+    }
+  }
+  key = static_cast<std::uint32_t>(v >> 32);
+  entry = static_cast<int>(static_cast<std::uint32_t>(v));
+}
+
 /// A candidate of a routing event: its sort key (descending_score_key) and table entry.
 struct route_candidate {
   std::uint32_t key;
@@ -115,14 +151,15 @@ struct route_candidate {
 /// Every phase works on what the threads hold in registers, in blocked order (thread t holds items
 /// Items * t ... Items * t + Items - 1): the table's entries, whose candidates one block scan packs
 /// in entry order into shared memory; those, Items = route_items_for(candidates) to a thread, in one
-/// stable radix sort, which leaves them in rank order; the prefix counts in rank order that place
-/// every push, pop and task, from one block scan; and each unit's window list, from one more.
+/// stable sort (bitonic for one a thread, radix for more), which leaves them in rank order; the
+/// prefix counts in rank order that place every push, pop and task, from one block scan; and each
+/// unit's window list, from one more.
 template <class Scorer, class Routing, int MaxItems>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {
   using move_scan = route_move_scan;
   using list_scan = cub::BlockScan<int, route_threads, route_scan>;
-  // The packed candidates, then the radix sort's storage, then move_scan's (route_decide_bytes<MaxItems>).
+  // The packed candidates, then the sort's storage, then move_scan's (route_decide_bytes<MaxItems>).
   extern __shared__ __align__(16) unsigned char sort_storage[];
   __shared__ typename list_scan::TempStorage list_storage;
   __shared__ int kept_by_full;
@@ -185,7 +222,6 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   move_counts T;
   int full_top = 0, ledger_top = 0;  // stack sizes after the pushes
   const auto rank_and_move = [&]<int Items>() {
-    using radix_sort = route_sort<Items>;
     const int mine = Items * static_cast<int>(threadIdx.x);  // the rank of this thread's first item
     std::uint32_t key[Items];
     int entry[Items];
@@ -196,7 +232,12 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       entry[i] = real ? packed[mine + i].entry : 0;
     }
     __syncthreads();  // the sort's storage overlaps packed
-    radix_sort(*reinterpret_cast<typename radix_sort::TempStorage*>(sort_storage)).Sort(key, entry);
+    if constexpr (Items == 1) {
+      bitonic_sort_block(key[0], entry[0], reinterpret_cast<unsigned long long*>(sort_storage));
+    } else {
+      using radix_sort = route_sort<Items>;
+      radix_sort(*reinterpret_cast<typename radix_sort::TempStorage*>(sort_storage)).Sort(key, entry);
+    }
 
     // The ranked candidates' slots (item i of this thread has rank mine + i).
     std::int32_t full_slot[Items], ledger_slot[Items];
@@ -373,13 +414,13 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
 }
 
 /// Dynamic shared memory of route_decide_kernel<Scorer, Routing, MaxItems>: the packed candidates,
-/// the largest radix sort it may run, or the scan of the move counts, whichever is larger.
+/// the largest sort it may run, or the scan of the move counts, whichever is larger.
 template <int MaxItems>
 constexpr std::size_t route_decide_bytes() {
   std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
   const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
   at_least(sizeof(typename route_move_scan::TempStorage));
-  at_least(sizeof(typename route_sort<1>::TempStorage));
+  at_least(2 * route_threads * sizeof(unsigned long long));  // bitonic_sort_block's buffer
   if constexpr (MaxItems >= 4) at_least(sizeof(typename route_sort<4>::TempStorage));
   if constexpr (MaxItems >= 16) at_least(sizeof(typename route_sort<16>::TempStorage));
   return bytes;
@@ -420,6 +461,9 @@ struct token_reader {
   int slot;
   long long first_position;  ///< of the lane's first token
   const double* inv_freq;
+  /// The calling warp's copy of its KV head's ledger record (kind 3) in shared memory
+  /// (stage_record_head), or nullptr to read the record where it lies.
+  const std::uint8_t* staged = nullptr;
 
   /// Channels a and b (rotary pair i) of token j's key, KV head h.
   __device__ __forceinline__ void key_pair(int w, int j, int h, int i, int a, int b, float& x0, float& x1) const {
@@ -453,6 +497,14 @@ struct token_reader {
     return load(true, w, j, h, c);
   }
 
+  /// KV head h's ledger record (kind 3) where it lies.
+  __device__ __forceinline__ const std::uint8_t* ledger_record(int h) const {
+    static_assert(ledger_records && Kind == 3, "token_reader::ledger_record: only a reader of ledger records has one");
+    const decode_layout& L = P->L;
+    return reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(slot) * L.record_bytes) +
+           static_cast<std::size_t>(L.head_in_unit(h)) * L.ledger_format.head_bytes;
+  }
+
  private:
   static constexpr bool ledger_records = !std::is_void_v<LedgerQ>, full_records = !std::is_void_v<FullQ>;
   static constexpr bool any_records = ledger_records || full_records;
@@ -460,12 +512,11 @@ struct token_reader {
   // any quantizer's frame stands in.
   using frame = typename std::conditional_t<ledger_records, LedgerQ, std::conditional_t<full_records, FullQ, quantizers::asymmetric<2>>>::key_frame;
 
-  /// KV head h's record in the source, or nullptr for token rows.
+  /// KV head h's record in the source (its staged copy where the warp made one), or nullptr for
+  /// token rows.
   __device__ __forceinline__ const std::uint8_t* record(int h) const {
     const decode_layout& L = P->L;
-    if constexpr (ledger_records && Kind == 3)
-      return reinterpret_cast<const std::uint8_t*>(region + L.ledger_offset + static_cast<std::size_t>(slot) * L.record_bytes) +
-             static_cast<std::size_t>(L.head_in_unit(h)) * L.ledger_format.head_bytes;
+    if constexpr (ledger_records && Kind == 3) return staged != nullptr ? staged : ledger_record(h);
     if constexpr (full_records && Kind == 1)
       return reinterpret_cast<const std::uint8_t*>(region + L.full_offset + static_cast<std::size_t>(slot) * L.full_window_bytes) +
              static_cast<std::size_t>(L.head_in_unit(h)) * L.full_format.head_bytes;
@@ -702,13 +753,46 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   });
 }
 
+/// Copies Bytes bytes (a record head) from global to shared memory with the 32 lanes of a warp, in
+/// the widest words both addresses allow, every load issued before any store: one round trip to
+/// memory for the whole head.
+template <std::size_t Bytes>
+__device__ __forceinline__ void stage_record_head(std::uint8_t* dst, const std::uint8_t* src, int lane_id) {
+  const auto copy = [&]<class Word>() {
+    constexpr int words = static_cast<int>(Bytes / sizeof(Word)), per_lane = (words + 31) / 32;
+    Word w[per_lane];
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i)
+      if (lane_id + 32 * i < words) w[i] = reinterpret_cast<const Word*>(src)[lane_id + 32 * i];
+#pragma unroll
+    for (int i = 0; i < per_lane; ++i)
+      if (lane_id + 32 * i < words) reinterpret_cast<Word*>(dst)[lane_id + 32 * i] = w[i];
+  };
+  const auto misalignment = (reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst) | Bytes);
+  if (misalignment % 16 == 0) copy.template operator()<uint4>();
+  else if (misalignment % 4 == 0) copy.template operator()<std::uint32_t>();
+  else copy.template operator()<std::uint8_t>();
+}
+
 /// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions from the ledger and
 /// newly aged windows, one warp per (task, KV head, keys or values). Token rows take the keys after
 /// RoPE (a promoted record dequantized and rotated to its positions); a quantized top tier
 /// (FullQ not void) re-encodes them as FullQ records, as the host backend's store_full does.
+///
+/// A promotion reads every byte of its record head a few bytes at a time (a code, a scale, a zero
+/// for each element), each read a round trip to device memory behind the one before it. The warp
+/// first copies the head into shared memory, with wide loads all in flight at once, and reads the
+/// elements from there (stage_record_head), where the head fits: up to 4 KB a warp. At most 64
+/// registers a thread (__launch_bounds__'s 4 CTAs an SM), so that a routing event's grid of 16 CTAs
+/// for each of 32 lanes runs in one wave on an H200's 132 SMs: with 80 registers the CTAs of the
+/// last lanes waited for a second wave.
 template <int D, int W, element_type E, class Q, class FullQ, bool Rotates>
-__global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
+__global__ void __launch_bounds__(256, 4) store_full_kernel(const cache_params P, const cache_pointers S, const lane_list list,
                                                          const route_source src) {
+  constexpr std::size_t head_bytes = Q::layout(W, 1, D).head_bytes();
+  constexpr std::size_t staged_bytes = (head_bytes + 15) / 16 * 16;
+  constexpr bool stages = staged_bytes <= 4096;
+  __shared__ __align__(16) std::uint8_t staged[256 / 32][stages ? staged_bytes : 16];
   const decode_layout& L = P.L;
   const int lane_id = threadIdx.x & 31;
   for_each_migration_item(P, S, list, true, [&](const migration_item& m, std::byte* region, long long first) {
@@ -716,7 +800,14 @@ __global__ void __launch_bounds__(256) store_full_kernel(const cache_params P, c
     std::byte* slot = region + L.full_offset + static_cast<std::size_t>(task.dst_slot) * L.full_window_bytes;
     // Sources: the recent ring, the prefill's rows or a ledger record (never a Full slot).
     with_source<0, 2, 3>(task.source, [&]<int Kind>() {
-      const token_reader<D, W, E, Q, void, Rotates, Kind> rd{&P, region, src, task.src_slot, first, S.inv_freq};
+      token_reader<D, W, E, Q, void, Rotates, Kind> rd{&P, region, src, task.src_slot, first, S.inv_freq};
+      if constexpr (Kind == 3 && stages) {
+        std::uint8_t* copy = staged[threadIdx.x / 32];
+        __syncwarp();  // the warp's previous item has read its copy
+        stage_record_head<head_bytes>(copy, rd.ledger_record(h), lane_id);
+        __syncwarp();
+        rd.staged = copy;
+      }
       if constexpr (!std::is_void_v<FullQ>) {
         quantize_head<D, W, FullQ, Rotates>(rd, reinterpret_cast<std::uint8_t*>(slot) + static_cast<std::size_t>(in_unit) * L.full_format.head_bytes,
                                             w, h, keys, lane_id, first + L.sinks + static_cast<long long>(w) * W, L.layout, S.inv_freq);
