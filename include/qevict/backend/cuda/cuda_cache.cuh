@@ -54,6 +54,10 @@
 #ifndef QEVICT_ROUTE_CTAS_PER_LANE
 #define QEVICT_ROUTE_CTAS_PER_LANE 16u
 #endif
+/// CTAs of a prefill's first routing event's quantize and store kernels (one lane).
+#ifndef QEVICT_PREFILL_ROUTE_CTAS
+#define QEVICT_PREFILL_ROUTE_CTAS 512u
+#endif
 
 namespace qevict {
 namespace backend {
@@ -640,8 +644,10 @@ class cuda_cache {
     // Warps per lane for the data movements, one (window, KV head) each at a time. A decode event
     // moves from a few windows per lane (a settled ranking) to dozens (the events after a prefill,
     // whose scores meet the decode mass, and small budgets, where ranks churn); enough CTAs of 8
-    // warps per lane keep those from serializing, and CTAs without work return at once.
-    const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? 32u : QEVICT_ROUTE_CTAS_PER_LANE);
+    // warps per lane keep those from serializing, and CTAs without work return at once. A prefill's
+    // event quantizes or stores every window of its one lane that the budget keeps (thousands at
+    // 32K tokens), 16 work items each: its CTAs fill the whole device.
+    const dim3 grid(static_cast<unsigned>(list.n), source_kind == 2 ? QEVICT_PREFILL_ROUTE_CTAS : QEVICT_ROUTE_CTAS_PER_LANE);
     // Each starts while the kernel before it finishes, and waits for it before it reads its tasks.
     // The element type is a template argument, so that each element's load or store is one
     // conversion rather than a switch over three: the code a warp runs through once per event
