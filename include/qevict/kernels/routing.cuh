@@ -753,25 +753,24 @@ __global__ void __launch_bounds__(256) quantize_kernel(const cache_params P, con
   });
 }
 
-/// Copies Bytes bytes (a record head) from global to shared memory with the 32 lanes of a warp, in
-/// the widest words both addresses allow, every load issued before any store: one round trip to
-/// memory for the whole head.
+/// Copies Bytes bytes (a record head) from global to shared memory with the 32 lanes of a warp, every
+/// load issued before any store: one round trip to memory for the whole head. 16-byte words where
+/// Bytes allows them, else 4-byte words: a record head is a whole number of 4-byte words (its code
+/// sections are rounded to 4 bytes, and its bf16 scales and zeros take 4 bytes a channel and 4 a
+/// token), and the ledger's 16-byte aligned offset (required at construction) followed by whole
+/// heads keeps `src` aligned to the word.
 template <std::size_t Bytes>
 __device__ __forceinline__ void stage_record_head(std::uint8_t* dst, const std::uint8_t* src, int lane_id) {
-  const auto copy = [&]<class Word>() {
-    constexpr int words = static_cast<int>(Bytes / sizeof(Word)), per_lane = (words + 31) / 32;
-    Word w[per_lane];
+  static_assert(Bytes % 4 == 0, "stage_record_head: a record head is a whole number of 4-byte words");
+  using word = std::conditional_t<Bytes % 16 == 0, uint4, std::uint32_t>;
+  constexpr int words = static_cast<int>(Bytes / sizeof(word)), per_lane = (words + 31) / 32;
+  word w[per_lane];
 #pragma unroll
-    for (int i = 0; i < per_lane; ++i)
-      if (lane_id + 32 * i < words) w[i] = reinterpret_cast<const Word*>(src)[lane_id + 32 * i];
+  for (int i = 0; i < per_lane; ++i)
+    if (lane_id + 32 * i < words) w[i] = reinterpret_cast<const word*>(src)[lane_id + 32 * i];
 #pragma unroll
-    for (int i = 0; i < per_lane; ++i)
-      if (lane_id + 32 * i < words) reinterpret_cast<Word*>(dst)[lane_id + 32 * i] = w[i];
-  };
-  const auto misalignment = (reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst) | Bytes);
-  if (misalignment % 16 == 0) copy.template operator()<uint4>();
-  else if (misalignment % 4 == 0) copy.template operator()<std::uint32_t>();
-  else copy.template operator()<std::uint8_t>();
+  for (int i = 0; i < per_lane; ++i)
+    if (lane_id + 32 * i < words) reinterpret_cast<word*>(dst)[lane_id + 32 * i] = w[i];
 }
 
 /// Fills Full slots (windows of W tokens, the KV heads of one unit): promotions from the ledger and
