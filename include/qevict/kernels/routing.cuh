@@ -129,19 +129,49 @@ __device__ __forceinline__ void bitonic_sort_block(std::uint32_t& key, int& entr
       } else {
         other = __shfl_xor_sync(0xffffffffu, v, j);
       }
+      // The smaller of the two where keep_smaller, else the larger: one comparison (where the two
+      // are equal, either is both).
       const bool keep_smaller = ((t & j) == 0) == ((t & k) == 0);
-      v = keep_smaller ? (other < v ? other : v) : (other > v ? other : v);
+      v = (other < v) == keep_smaller ? other : v;
     }
   }
   key = static_cast<std::uint32_t>(v >> 32);
   entry = static_cast<int>(static_cast<std::uint32_t>(v));
 }
 
+/// Whether route_decide_kernel<…, MaxItems> keeps a copy of the lane's window table in shared
+/// memory (12 bytes an entry: 48 KB for 4 entries a thread). The candidates' slots after the sort
+/// and the window lists are then read there: two global round trips fewer on the kernel's chain of
+/// dependent steps, one CTA a lane. 16 entries a thread (192 KB) do not fit beside the sort's storage.
+template <int MaxItems>
+inline constexpr bool route_mirrors_table = MaxItems <= 4;
+
 /// A candidate of a routing event: its sort key (descending_score_key) and table entry.
 struct route_candidate {
   std::uint32_t key;
   std::int32_t entry;
 };
+
+/// Shared memory of route_decide_kernel<Scorer, Routing, MaxItems> for the packed candidates, the
+/// largest sort it may run, or the scan of the move counts, whichever is larger (one region, used
+/// in turn), rounded up to 16 bytes.
+template <int MaxItems>
+constexpr std::size_t route_sort_bytes() {
+  std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
+  const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
+  at_least(sizeof(typename route_move_scan::TempStorage));
+  at_least(2 * route_threads * sizeof(unsigned long long));  // bitonic_sort_block's buffer
+  if constexpr (MaxItems >= 4) at_least(sizeof(typename route_sort<4>::TempStorage));
+  if constexpr (MaxItems >= 16) at_least(sizeof(typename route_sort<16>::TempStorage));
+  return (bytes + 15) / 16 * 16;
+}
+
+/// Dynamic shared memory of route_decide_kernel<Scorer, Routing, MaxItems>: the sort's region and,
+/// where route_mirrors_table, the copy of the lane's window table behind it.
+template <int MaxItems>
+constexpr std::size_t route_decide_bytes() {
+  return route_sort_bytes<MaxItems>() + (route_mirrors_table<MaxItems> ? sizeof(window_record) * MaxItems * route_threads : 0);
+}
 
 /// Algorithm 1's decision and the slot bookkeeping, one CTA per listed lane. After its first event a
 /// lane under a frozen routing policy (routing::frozen_after_prefill) ranks only its newly aged
@@ -159,34 +189,50 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
                                                                      const lane_list list, int source_kind) {
   using move_scan = route_move_scan;
   using list_scan = cub::BlockScan<int, route_threads, route_scan>;
-  // The packed candidates, then the sort's storage, then move_scan's (route_decide_bytes<MaxItems>).
+  // The packed candidates, then the sort's storage, then move_scan's; behind them the table's copy
+  // (route_decide_bytes<MaxItems>).
   extern __shared__ __align__(16) unsigned char sort_storage[];
+  constexpr bool mirrored = route_mirrors_table<MaxItems>;
+  window_record* const table_s = reinterpret_cast<window_record*>(sort_storage + route_sort_bytes<MaxItems>());
   __shared__ typename list_scan::TempStorage list_storage;
   __shared__ int kept_by_full;
   const decode_layout& L = P.L;
   int* task_count = S.task_counts + 2 * blockIdx.x;
-  if (failed(S.error)) {
+  // The loads that start the kernel's chain go out together: the error flag, the lane's state and
+  // its table's entries (thread t: entries MaxItems * t ...; the table has at most MaxItems *
+  // route_threads), whose addresses need only the lane's index. Nothing is written before the flag
+  // is tested.
+  const int l = list.lane[blockIdx.x];
+  const bool bad = failed(S.error);
+  lane_state& lane = S.lanes[l];
+  lane_extra& extra = S.extra[l];
+  const lane_state lane_at_start = lane;
+  const lane_extra extra_at_start = extra;
+  window_record* table = reinterpret_cast<window_record*>(S.arena + L.region_offset(l));
+  const int U = L.units;
+  const int table_entries = P.max_windows * U;
+  const int first_entry = MaxItems * static_cast<int>(threadIdx.x);  // this thread's first table entry
+  window_record rec[MaxItems];
+#pragma unroll
+  for (int i = 0; i < MaxItems; ++i)
+    if (first_entry + i < table_entries) rec[i] = table[first_entry + i];
+  if (bad) {
     if (threadIdx.x == 0) task_count[0] = task_count[1] = 0;
     return;
   }
-  const int l = list.lane[blockIdx.x];
-  lane_state& lane = S.lanes[l];
-  lane_extra& extra = S.extra[l];
-  window_record* table = reinterpret_cast<window_record*>(S.arena + L.region_offset(l));
   std::int32_t* free_full = S.free_full + static_cast<std::size_t>(l) * P.full_stride;
   std::int32_t* free_ledger = S.free_ledger + static_cast<std::size_t>(l) * P.ledger_stride;
   migration_task* qtasks = S.quantize_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
   migration_task* stasks = S.store_tasks + static_cast<std::size_t>(blockIdx.x) * P.max_tasks;
 
-  const int tokens = lane.tokens;
-  const int aged_before = lane.aged;
+  const int tokens = lane_at_start.tokens;
+  const int aged_before = lane_at_start.aged;
   const int span = tokens - L.sinks - P.recent;
   const int aged_after = max(aged_before, span > 0 ? span / L.window : 0);
   const int started = windows_started(tokens, L.sinks, L.window);
-  const bool frozen = !Routing::rerank_after_first_event && extra.routed != 0;
-  const int full_capacity = frozen ? extra.free_full : P.full_capacity;
-  const int ledger_capacity = frozen ? extra.free_ledger : P.ledger_capacity;
-  const int U = L.units;
+  const bool frozen = !Routing::rerank_after_first_event && extra_at_start.routed != 0;
+  const int full_capacity = frozen ? extra_at_start.free_full : P.full_capacity;
+  const int ledger_capacity = frozen ? extra_at_start.free_ledger : P.ledger_capacity;
 
   // Eq. 4: candidates = Full ∪ Quantized ∪ newly aged entries; only the newly aged under a frozen
   // selection. Entry e belongs to window L.window_of_entry(e). They are packed in entry order, so
@@ -196,26 +242,25 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   int n = 0;
   {
     const int first = (frozen ? aged_before : 0) * U, last = aged_after * U;
-    const int mine = MaxItems * static_cast<int>(threadIdx.x);
     route_candidate c[MaxItems];
     int count = 0;
 #pragma unroll
     for (int i = 0; i < MaxItems; ++i) {
-      c[i] = route_candidate{not_a_candidate, first + mine + i};
-      if (c[i].entry < last) {
-        const window_record r = table[c[i].entry];
-        if (tier_of(r, L.window_of_entry(c[i].entry) < aged_before) != tier::evicted) {
-          c[i].key = descending_score_key(r.score);
-          ++count;
-        }
+      const int e = first_entry + i;
+      c[i] = route_candidate{not_a_candidate, e};
+      if (e >= first && e < last && tier_of(rec[i], L.window_of_entry(e) < aged_before) != tier::evicted) {
+        c[i].key = descending_score_key(rec[i].score);
+        ++count;
       }
+      if constexpr (mirrored)
+        if (e < table_entries) table_s[e] = rec[i];
     }
     int at = 0;
     list_scan(list_storage).ExclusiveSum(count, at, n);
 #pragma unroll
     for (int i = 0; i < MaxItems; ++i)
       if (c[i].key != not_a_candidate) packed[at++] = c[i];
-    __syncthreads();  // packed is complete; list_storage is free
+    __syncthreads();  // packed and the table's copy are complete; list_storage is free
   }
 
   // Ranks, Algorithm 1's tiers and the slot bookkeeping, with Items candidates per thread.
@@ -249,7 +294,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       full_slot[i] = ledger_slot[i] = -1;
       prev[i] = tier::evicted;
       if (mine + i < n) {
-        const window_record r = table[entry[i]];
+        const window_record r = mirrored ? table_s[entry[i]] : table[entry[i]];
         full_slot[i] = r.full_slot;
         ledger_slot[i] = r.ledger_slot;
         prev[i] = tier_of(r, L.window_of_entry(entry[i]) < aged_before);
@@ -292,7 +337,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     move_counts before;
     // The sort's storage is free since the barrier above.
     move_scan(*reinterpret_cast<typename move_scan::TempStorage*>(sort_storage)).ExclusiveScan(local, before, move_counts{}, move_counts_sum{}, T);
-    const int full0 = extra.free_full, ledger0 = extra.free_ledger;
+    const int full0 = extra_at_start.free_full, ledger0 = extra_at_start.free_ledger;
     full_top = full0 + T[0] + T[1];
     ledger_top = ledger0 + T[4];
     // Pushes: freed Full slots (evictions, then demotions), freed records (evictions).
@@ -345,6 +390,10 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
         }
         table[w].full_slot = fs;
         table[w].ledger_slot = ls;
+        if constexpr (mirrored) {
+          table_s[w].full_slot = fs;
+          table_s[w].ledger_slot = ls;
+        }
 #pragma unroll
         for (int k = 0; k < move_counts::kinds; ++k)
           if (f & (1u << k)) at.add(k);
@@ -362,7 +411,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   // counts (16-bit fields: at most 2^14 windows) places them.
   const int R = L.record_entries;
   constexpr window_entry padding{-1, 0};
-  const int mine = MaxItems * static_cast<int>(threadIdx.x);  // this thread's first window
+  const int first_window = MaxItems * static_cast<int>(threadIdx.x);  // this thread's first window
   for (int u = 0; u < U; ++u) {
     const std::size_t list_index = static_cast<std::size_t>(l) * U + u;
     window_entry* out = S.entries + list_index * L.entries_per_lane;
@@ -371,14 +420,19 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     int local_counts = 0;  // Full | Quantized << 16
 #pragma unroll
     for (int i = 0; i < MaxItems; ++i) {
-      const int w = mine + i;
+      const int w = first_window + i;
       t[i] = tier::evicted;
       code[i] = 0;
       if (w < started) {
-        window_record& rec = table[w * U + u];
-        const window_record r = rec;
+        const int e = w * U + u;
+        const window_record r = mirrored ? table_s[e] : table[e];
         t[i] = tier_of(r, w < aged_after);
-        if (t[i] != tier::evicted) rec.score = Scorer::after_routing(r.score);
+        // Only a score that after_routing changes is stored (none for a scorer whose scores
+        // routing leaves as they are).
+        if (t[i] != tier::evicted) {
+          const float after = Scorer::after_routing(r.score);
+          if (after != r.score) table[e].score = after;
+        }
         code[i] = r.full_slot >= 0 ? r.full_slot : ~r.ledger_slot;
         local_counts += t[i] == tier::full ? 1 : t[i] == tier::quantized ? 1 << 16 : 0;
       }
@@ -391,9 +445,9 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
 #pragma unroll
     for (int i = 0; i < MaxItems; ++i) {
       if (t[i] == tier::full) {
-        out[at_full++] = window_entry{mine + i, code[i]};
+        out[at_full++] = window_entry{first_window + i, code[i]};
       } else if (t[i] == tier::quantized) {
-        out[at_quantized] = window_entry{mine + i, code[i]};
+        out[at_quantized] = window_entry{first_window + i, code[i]};
         for (int k = 1; k < R; ++k) out[at_quantized + k] = padding;
         at_quantized += R;
       }
@@ -411,19 +465,6 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
     task_count[0] = T[5] + T[6];
     task_count[1] = T[2] + T[3];
   }
-}
-
-/// Dynamic shared memory of route_decide_kernel<Scorer, Routing, MaxItems>: the packed candidates,
-/// the largest sort it may run, or the scan of the move counts, whichever is larger.
-template <int MaxItems>
-constexpr std::size_t route_decide_bytes() {
-  std::size_t bytes = sizeof(route_candidate) * MaxItems * route_threads;
-  const auto at_least = [&](std::size_t b) { bytes = b > bytes ? b : bytes; };
-  at_least(sizeof(typename route_move_scan::TempStorage));
-  at_least(2 * route_threads * sizeof(unsigned long long));  // bitonic_sort_block's buffer
-  if constexpr (MaxItems >= 4) at_least(sizeof(typename route_sort<4>::TempStorage));
-  if constexpr (MaxItems >= 16) at_least(sizeof(typename route_sort<16>::TempStorage));
-  return bytes;
 }
 
 /// Dequantized key / value element of a record head, as Q::dequantize_* computes it (product and
