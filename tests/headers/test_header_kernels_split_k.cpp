@@ -16,7 +16,7 @@ TEST_CASE("max_items_per_chunk: 192 items where an item holds at most one window
   for (int w : {1, 2, 4}) CHECK(max_items_per_chunk(w) == 128);
 }
 
-TEST_CASE("decode_chunk: the busiest CTA slot of nearly equal chunks, counted by hand") {
+TEST_CASE("decode_chunk: the longest chunks in a busy grid, else the busiest CTA slot of nearly equal chunks, counted by hand") {
   // decode_chunk(batch, kv_heads, max_items, resident CTAs, workspace chunks, longest chunk); 396 =
   // 132 SMs x 3 CTAs, chunks of up to 192 items (windows of 8 tokens). A slot's length is waves x
   // (items of a chunk + 24), plus 32 where a lane has more than one chunk.
@@ -27,11 +27,18 @@ TEST_CASE("decode_chunk: the busiest CTA slot of nearly equal chunks, counted by
   // 32 sequences of 293 items: three chunks of 98 -> 104 (768 CTAs, 2 x 128 + 32 = 288) against
   // two of 152 (512 CTAs, 2 x 176 + 32 = 384) or four of 80 (1024 CTAs, 3 x 104 + 32 = 344).
   CHECK(decode_chunk(32, 8, 293, 396, 1000, longest) == 104);
-  // 32 x 32K at 20 %: 3840 CTAs of 168 (10 x 192 + 32 = 1952) against 4352 of 152 (11 x 176 + 32
-  // = 1968), 3328 of 192 (9 x 216 + 32 = 1976) and 5120 of 128 (13 x 152 + 32 = 2008); with
-  // chunks of at most 128 items, 128.
-  CHECK(decode_chunk(32, 8, 2451, 396, 1000, longest) == 168);
+  // 32 x 32K at 20 %: 13 chunks of 192 make 3328 CTAs, 8.4 waves, at least busy_grid_waves (4):
+  // the longest is taken, although counting whole waves would put 3840 CTAs of 168 (10 x 192 + 32
+  // = 1952) before it (9 x 216 + 32 = 1976). With chunks of at most 128 items, 20 of 128 (5120
+  // CTAs). With 8 lanes, 104 CTAs of 192 are not a busy grid: the slot count decides (56 above).
+  CHECK(decode_chunk(32, 8, 2451, 396, 1000, longest) == 192);
   CHECK(decode_chunk(32, 8, 2451, 396, 1000, 128) == 128);
+  // Just below 4 waves the slot count decides: 32 x 8K all Full (1029 items) makes 6 chunks of 176,
+  // 1536 CTAs (3.9 waves), and 176 wins on whole waves too (4 x 200 + 32 = 832 against 5 x 176
+  // + 32 = 912 for 7 chunks of 152); 32 x 32K at 10 % (1230 items), 7 chunks of 176 (4.5 waves):
+  // taken outright.
+  CHECK(decode_chunk(32, 8, 1029, 396, 1000, longest) == 176);
+  CHECK(decode_chunk(32, 8, 1230, 396, 1000, longest) == 176);
   // 32 lanes of 82 items: one chunk (256 CTAs, 1 x (82 + 24) = 106) against three of 32 (768 CTAs,
   // 2 x 56 + 32 = 144).
   CHECK(decode_chunk(32, 8, 82, 396, 1000, longest) == 88);

@@ -183,7 +183,9 @@ constexpr std::size_t route_decide_bytes() {
 /// in entry order into shared memory; those, Items = route_items_for(candidates) to a thread, in one
 /// stable sort (bitonic for one a thread, radix for more), which leaves them in rank order; the
 /// prefix counts in rank order that place every push, pop and task, from one block scan; and each
-/// unit's window list, from one more.
+/// unit's window list, from one more. One CTA runs a lane's whole chain of dependent steps, so its
+/// time is mostly their latencies: the kernel's first loads go out together, and where the table
+/// fits (route_mirrors_table) the later phases read their entries from a copy in shared memory.
 template <class Scorer, class Routing, int MaxItems>
 __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache_params P, const cache_pointers S,
                                                                      const lane_list list, int source_kind) {

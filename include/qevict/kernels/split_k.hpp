@@ -37,6 +37,13 @@ inline constexpr int chunk_fixed_cost = 24;
 /// 7 to 19 % faster than three (docs/performance.md): any value of at least 25 chooses one chunk
 /// there, and the same chunks at every point of the benchmark table.
 inline constexpr int several_chunks_cost = 32;
+/// From how many waves of the longest chunks (their CTAs over the resident ones) an automatic
+/// launch takes them without weighing shorter ones. Counting whole waves charges the last one in
+/// full, as if the CTAs ran in lockstep; a grid of many waves does not, and a CTA that leaves an SM
+/// early speeds up the ones still there (the kernel waits on its instructions). Set by the H200 at
+/// 32 sequences of 32K tokens (8.4 waves of 192 items at a 20 % budget), where the step got faster
+/// with every longer chunk up to the longest, in every key frame (docs/performance.md).
+inline constexpr int busy_grid_waves = 4;
 
 /// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
 /// (sequence, KV head), on a GPU that holds `resident_ctas` decode CTAs at once, with a workspace
@@ -49,21 +56,31 @@ inline constexpr int several_chunks_cost = 32;
 /// while the others run 128; three chunks of 104 take the same CTAs and end sooner. A
 /// candidate's cost is its busiest CTA slot: waves = ceil(CTAs / resident_ctas), each as long as
 /// one chunk plus the fixed cost, plus several_chunks_cost where a lane has more than one chunk.
-/// The cheapest wins; on a tie, the longer chunk (fewer CTAs, fewer partials to merge). Where no
-/// candidate fits the workspace, `longest` (the launch then reports that the workspace is too
-/// small).
+/// The cheapest wins; on a tie, the longer chunk (fewer CTAs, fewer partials to merge). Where the
+/// longest candidate fills at least busy_grid_waves waves (and fits the workspace), it is taken
+/// outright. Where no candidate fits the workspace, `longest` (the launch then reports that the
+/// workspace is too small).
 inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_ctas, int max_chunks, int longest) {
   const long long slots = std::max(1, resident_ctas);
   const long long lanes = static_cast<long long>(std::max(1, batch)) * std::max(1, kv_heads);
   const int items = std::max(1, max_items);
+  // Chunks of at most c items, evened out: k = ceil(items / c) chunks of ceil(items / k) items,
+  // rounded up to a multiple of 8 (at most c, for c a multiple of 8).
+  const auto evened = [items](int c) {
+    const int k = (items + c - 1) / c;
+    return ((items + k - 1) / k + 7) / 8 * 8;
+  };
+  if (longest / 8 * 8 >= min_automatic_chunk) {  // the loop's first candidate
+    const int chunk = evened(longest / 8 * 8);
+    const long long chunks = (items + chunk - 1) / chunk;
+    if (chunks <= max_chunks && lanes * chunks >= busy_grid_waves * slots) return chunk;
+  }
   int best = longest;
   long long best_cost = std::numeric_limits<long long>::max();
-  // Chunks of at most c items, for every multiple of 8 from the longest: k = ceil(items / c)
-  // chunks, evened out to ceil(items / k) items rounded up to 8 (at most c). Every k whose even
+  // Chunks of at most c items, evened, for every multiple of 8 from the longest: every k whose even
   // chunk is in range is reached this way, and the even chunks come out longest first.
   for (int c = longest / 8 * 8; c >= min_automatic_chunk; c -= 8) {
-    const int k = (items + c - 1) / c;
-    const int chunk = ((items + k - 1) / k + 7) / 8 * 8;
+    const int chunk = evened(c);
     const long long chunks = (items + chunk - 1) / chunk;
     if (chunks > max_chunks) continue;
     const long long waves = (lanes * chunks + slots - 1) / slots;
