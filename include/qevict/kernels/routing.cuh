@@ -211,6 +211,17 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
   const lane_state lane_at_start = lane;
   const lane_extra extra_at_start = extra;
   window_record* table = reinterpret_cast<window_record*>(S.arena + L.region_offset(l));
+  // The table's entries after the first barrier, and the slots a move gives an entry: read from
+  // the copy where there is one, written to the table and the copy.
+  const auto table_entry = [&](int e) { return mirrored ? table_s[e] : table[e]; };
+  const auto set_slots = [&](int e, std::int32_t full_slot, std::int32_t ledger_slot) {
+    table[e].full_slot = full_slot;
+    table[e].ledger_slot = ledger_slot;
+    if constexpr (mirrored) {
+      table_s[e].full_slot = full_slot;
+      table_s[e].ledger_slot = ledger_slot;
+    }
+  };
   const int U = L.units;
   const int table_entries = P.max_windows * U;
   const int first_entry = MaxItems * static_cast<int>(threadIdx.x);  // this thread's first table entry
@@ -296,7 +307,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       full_slot[i] = ledger_slot[i] = -1;
       prev[i] = tier::evicted;
       if (mine + i < n) {
-        const window_record r = mirrored ? table_s[entry[i]] : table[entry[i]];
+        const window_record r = table_entry(entry[i]);
         full_slot[i] = r.full_slot;
         ledger_slot[i] = r.ledger_slot;
         prev[i] = tier_of(r, L.window_of_entry(entry[i]) < aged_before);
@@ -390,12 +401,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
           stasks[k] = migration_task{w, source_kind, 0, slot};
           fs = slot;
         }
-        table[w].full_slot = fs;
-        table[w].ledger_slot = ls;
-        if constexpr (mirrored) {
-          table_s[w].full_slot = fs;
-          table_s[w].ledger_slot = ls;
-        }
+        set_slots(w, fs, ls);
 #pragma unroll
         for (int k = 0; k < move_counts::kinds; ++k)
           if (f & (1u << k)) at.add(k);
@@ -427,7 +433,7 @@ __global__ void __launch_bounds__(route_threads) route_decide_kernel(const cache
       code[i] = 0;
       if (w < started) {
         const int e = w * U + u;
-        const window_record r = mirrored ? table_s[e] : table[e];
+        const window_record r = table_entry(e);
         t[i] = tier_of(r, w < aged_after);
         // Only a score that after_routing changes is stored (none for a scorer whose scores
         // routing leaves as they are).
