@@ -390,7 +390,7 @@ inline constexpr float rescale_margin = Bf16 ? 8.0f : 0.0f;
 /// the same scores and probabilities and each supplies its own column; the CTA merge adds column
 /// g + 4 to column g. One product per 16 channels and pair instead of two. Not where keys are
 /// rotated one by one (EachKey: records before RoPE), whose kernel measured slower folded
-/// (docs/performance.md, v24c).
+/// (docs/performance-history.md, v24c).
 template <bool Bf16, bool EachKey>
 inline constexpr bool may_fold_low_part = Bf16 && !EachKey;  ///< the part of folds_low_part known at compile time
 template <bool Bf16, bool EachKey>
@@ -1741,7 +1741,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     // The window masses. Folded (FoldLow), before the value operands are formed, whose instructions
     // hide the shuffles' latency (as v24c was measured); otherwise after the output's products,
     // whose issue hides it, as before v24c: the kernel for keys rotated one by one measured 1.9 %
-    // slower at 32x32K / 20 % with the masses first (docs/performance.md, v24c).
+    // slower at 32x32K / 20 % with the masses first (docs/performance-history.md, v24c).
     auto emit_mass = [&] {
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
       // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
@@ -2136,7 +2136,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // its pair's whole: it writes the output normalised and, for the mass kernel, its chunk's
   // factor, and nothing is merged (no partials go through global memory and back). In a launch
   // of several chunks, a short lane's single chunk writes its partial and merges it itself, as
-  // before v23 (finishing it alone there too measured slower: docs/performance.md, v23c).
+  // before v23 (finishing it alone there too measured slower: docs/performance-history.md, v23c).
   const bool alone = own_query;  // one chunk per (sequence, KV head) in this launch
   const std::size_t bh = pair_index();
   const std::size_t chunk_row = bh * A.max_chunks + chunk;

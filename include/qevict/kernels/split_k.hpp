@@ -24,17 +24,17 @@ inline constexpr int max_items_per_chunk(int window) { return window >= 8 ? 192 
 /// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk), and
 /// the chunk length its workspace is sized for over the layout's longest lane
 /// (decode_workspace::chunks_for), so that every automatic choice fits. In the chunk sweeps of
-/// docs/performance.md, chunks of 16 or 24 items were the fastest only at one sequence of 32K
+/// docs/performance-history.md (v18, v19), chunks of 16 or 24 items were the fastest only at one sequence of 32K
 /// tokens at a 5 % budget, and where a lane is one chunk either way.
 inline constexpr int min_automatic_chunk = 32;
 /// A CTA's fixed cost in items' worth of work (describing its items, the first pair's latency,
-/// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance.md.
+/// merging its warps, writing its partial), fitted to the H200 chunk sweeps of docs/performance-history.md (v18, v19).
 inline constexpr int chunk_fixed_cost = 24;
 /// What a launch of several chunks per (sequence, KV head) costs beyond one of a single chunk, in
 /// the same units: the query kernel that runs before its attention kernel and the merge of its
 /// partials (a single chunk prepares its own query and merges itself). Set by the H200 at 32
 /// sequences of 161 items (all Full) and of 139 (5 %), where one chunk a lane measured 9 % and
-/// 7 to 19 % faster than three (docs/performance.md): any value of at least 25 chooses one chunk
+/// 7 to 19 % faster than three (docs/performance-history.md, v22): any value of at least 25 chooses one chunk
 /// there, and the same chunks at every point of the benchmark table.
 inline constexpr int several_chunks_cost = 32;
 /// From how many waves of the longest chunks (their CTAs over the resident ones) an automatic
@@ -42,7 +42,7 @@ inline constexpr int several_chunks_cost = 32;
 /// full, as if the CTAs ran in lockstep; a grid of many waves does not, and a CTA that leaves an SM
 /// early speeds up the ones still there (the kernel waits on its instructions). Set by the H200 at
 /// 32 sequences of 32K tokens (8.4 waves of 192 items at a 20 % budget), where the step got faster
-/// with every longer chunk up to the longest, in every key frame (docs/performance.md).
+/// with every longer chunk up to the longest, in every key frame (docs/performance.md, "One point at f22cc2b").
 inline constexpr int busy_grid_waves = 4;
 
 /// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
