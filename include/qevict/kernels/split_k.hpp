@@ -70,19 +70,17 @@ inline int decode_chunk(int batch, int kv_heads, int max_items, int resident_cta
     const int k = (items + c - 1) / c;
     return ((items + k - 1) / k + 7) / 8 * 8;
   };
-  if (longest / 8 * 8 >= min_automatic_chunk) {  // the loop's first candidate
-    const int chunk = evened(longest / 8 * 8);
-    const long long chunks = (items + chunk - 1) / chunk;
-    if (chunks <= max_chunks && lanes * chunks >= busy_grid_waves * slots) return chunk;
-  }
   int best = longest;
   long long best_cost = std::numeric_limits<long long>::max();
   // Chunks of at most c items, evened, for every multiple of 8 from the longest: every k whose even
   // chunk is in range is reached this way, and the even chunks come out longest first.
-  for (int c = longest / 8 * 8; c >= min_automatic_chunk; c -= 8) {
+  const int first = longest / 8 * 8;
+  for (int c = first; c >= min_automatic_chunk; c -= 8) {
     const int chunk = evened(c);
     const long long chunks = (items + chunk - 1) / chunk;
     if (chunks > max_chunks) continue;
+    // The longest candidate in a busy grid is taken outright.
+    if (c == first && lanes * chunks >= busy_grid_waves * slots) return chunk;
     const long long waves = (lanes * chunks + slots - 1) / slots;
     const long long cost = waves * (std::min(chunk, items) + chunk_fixed_cost) + (chunks > 1 ? several_chunks_cost : 0);
     if (cost < best_cost) {
