@@ -267,13 +267,13 @@ TEST_CASE("CUDA backend: the decode kernel's split-K chunk setting, and the devi
   const geometry g = small_layer();
   const limits lim{.max_batch = 2, .max_tokens = 2048};
   auto make = [&](int items_per_chunk) { qevict::cache<paper, backend::cuda> kv(g, budget::fraction(0.2), lim, gpu_test::with_chunk(items_per_chunk)); };
-  // The paper's windows of 8 tokens: chunks of up to 192 items.
-  CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, 192], got 12"),
+  // The paper's windows of 8 tokens: chunks of up to 384 items.
+  CHECK_THROWS_WITH_AS(make(12), doctest::Contains("items_per_chunk must be 0 (automatic) or a multiple of 8 in [8, 384], got 12"),
                        qevict::error);
-  CHECK_THROWS_WITH_AS(make(200), doctest::Contains("got 200"), qevict::error);
+  CHECK_THROWS_WITH_AS(make(392), doctest::Contains("got 392"), qevict::error);
   CHECK_THROWS_WITH_AS(make(-8), doctest::Contains("got -8"), qevict::error);
   CHECK_NOTHROW(make(8));
-  CHECK_NOTHROW(make(192));
+  CHECK_NOTHROW(make(384));
   // Device memory by part. The arena is required_bytes, or nothing with external storage; the
   // setting changes the workspace only; an automatic chunk's workspace is that of chunks of 32
   // items (the most chunks an automatic launch makes), and longer fixed chunks need less.

@@ -300,7 +300,7 @@ TEST_CASE("decode attention with every split-K chunk size") {
 
 TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own query") {
   // Lanes of at most 128 items in chunks of 128, and lanes of more than 128 items in the longest
-  // chunk (described by the CTA's threads in two rounds): the grid has one chunk per (sequence,
+  // chunk (described by the CTA's threads in two or three rounds): the grid has one chunk per (sequence,
   // KV head), and its CTAs rotate and split their queries themselves (with the paper's records,
   // also the per-key rotation table), for every key frame, group and head_dim.
   unsigned seed = 9500;
@@ -320,6 +320,10 @@ TEST_CASE("decode attention with one chunk per lane: each CTA prepares its own q
   run_case<cfg_post_rope>(one(case_spec{128, 4, 32, element_type::bf16, budget::fraction(0.2), rope_layout::rotate_half, 1400}, longest), seed++);
   run_case<cfg_window_relative>(one(case_spec{64, 8, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
   run_case(one(case_spec{128, 1, 3, element_type::f16, budget::fraction(0.2), rope_layout::interleaved, 1400}, longest), seed++);
+  // Lanes of more than 256 items in the longest chunk: three rounds of descriptions.
+  static_assert(longest > 256, "the cases below need chunks of more than 256 items");
+  run_case<cfg_post_rope>(one(case_spec{128, 4, 7, element_type::bf16, budget::everything(), rope_layout::rotate_half, 2900}, longest), seed++);
+  run_case(one(case_spec{64, 8, 3, element_type::f16, budget::everything(), rope_layout::interleaved, 2900}, longest), seed++);
   // More KV heads than the other cases' 2: 8 (Llama-3's) and 16, for whose masses the mass
   // kernel sums over as many CTAs' values.
   auto heads = [](case_spec c, int kv_heads) {

@@ -11,8 +11,8 @@
 using qevict::kernels::decode_chunk;
 using qevict::kernels::max_items_per_chunk;
 
-TEST_CASE("max_items_per_chunk: 192 items where an item holds at most one window's mass, 128 below windows of 8") {
-  for (int w : {8, 16, 32}) CHECK(max_items_per_chunk(w) == 192);
+TEST_CASE("max_items_per_chunk: 384 items for windows of at least 8 tokens, 128 below") {
+  for (int w : {8, 16, 32}) CHECK(max_items_per_chunk(w) == 384);
   for (int w : {1, 2, 4}) CHECK(max_items_per_chunk(w) == 128);
 }
 

@@ -48,13 +48,13 @@
 // shared memory; the query is an fp16 copy whose channels are ordered so that a thread's codes
 // need no shuffling (the contraction order is free, as long as A and B agree).
 //
-// Split-K: each CTA writes its (unnormalised output, max, sum) and, per item and head,
-// sum(exp(s - m_ref)) scaled to the CTA's max. The last CTA of a (sequence, KV head) to finish
-// (a ticket per pair) forms the log-sum-exp, the output and each chunk's factor exp(m_chunk - LSE)
-// (merge_chunks); in a launch of one chunk per (sequence, KV head) each CTA finishes its pair alone (the
-// output normalised in place, its factor written directly). decode_mass_kernel then adds each
-// window's mass = sum over heads of that value * its chunk's factor / H_q to its score. No
-// per-token probability is written and K is read once.
+// Split-K: each CTA writes its (unnormalised output, max, sum), and its warps write, per item
+// window and head, log2 of the window's sum of 2^s as they go (the log domain needs no common
+// maximum). The last CTA of a (sequence, KV head) to finish (a ticket per pair) forms each head's
+// log-sum-exp and the output (merge_chunks); in a launch of one chunk per (sequence, KV head) each
+// CTA finishes its pair alone (the output normalised in place, its log-sum-exps written directly).
+// decode_mass_kernel then adds each window's mass = sum over heads of 2^(that value - the head's
+// log-sum-exp) / H_q to its score. No per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -289,10 +289,13 @@ struct decode_arguments {
   // Workspace (decode_workspace::bytes).
   float* part_o = nullptr;
   float2* part_ml = nullptr;
+  /// [batch][kv_heads][max_items][windows per item][group]: log2 of each item window's sum of 2^s
+  /// over its tokens, per query head (s: the head's scores in log2 units), written by the CTA that
+  /// serves the item.
   float* part_mass = nullptr;
-  /// [batch][kv_heads][max_chunks][group]: exp2(m_chunk - LSE) of each chunk and query head, written
-  /// by the CTA that merges a (sequence, KV head) for the window masses.
-  float* part_factor = nullptr;
+  /// [batch][kv_heads][group]: each query head's log-sum-exp over all its tokens, log2 units
+  /// (head_lse), written by the CTA that merges a (sequence, KV head) for the window masses.
+  float* part_lse = nullptr;
   /// [batch][kv_heads]: chunks of each (sequence, KV head) that have written their partials. Zero
   /// before the first launch; every launch leaves them zero (the merging CTA resets its own).
   unsigned* tickets = nullptr;
@@ -302,7 +305,7 @@ struct decode_arguments {
   /// [batch][kv_heads][8][head_dim/2]: e^{i j f_p}, for keys rotated one by one (records stored
   /// before RoPE; no bytes otherwise), written with the (sequence, KV head)'s query.
   float2* cs_table = nullptr;
-  /// Items of one split-K chunk: a multiple of 8 up to max_items_per_chunk(W) (192 for windows of
+  /// Items of one split-K chunk: a multiple of 8 up to max_items_per_chunk(W) (384 for windows of
   /// at least 8 tokens, 128 below), or 0 to let the launch choose (decode_chunk: nearly equal
   /// chunks of up to that many items, whichever keeps the busiest CTA slot shortest).
   int items_per_chunk = 0;
@@ -313,7 +316,7 @@ struct decode_arguments {
 /// Workspace sizes for `batch` sequences. Partial outputs are kept per chunk, window masses per
 /// item (whatever the chunk length).
 struct decode_workspace {
-  std::size_t o = 0, ml = 0, mass = 0, factor = 0, tickets = 0, q = 0, table = 0;
+  std::size_t o = 0, ml = 0, mass = 0, lse = 0, tickets = 0, q = 0, table = 0;
   /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic),
   /// chunks of min_automatic_chunk items, the most chunks any automatic choice makes.
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
@@ -327,7 +330,7 @@ struct decode_workspace {
     w.o = bh * chunks * L.group * L.head_dim * sizeof(float);
     w.ml = bh * chunks * L.group * sizeof(float2);
     w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
-    w.factor = bh * chunks * L.group * sizeof(float);
+    w.lse = bh * L.group * sizeof(float);
     w.tickets = bh * sizeof(unsigned);  // must start zeroed
     w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
     w.table = L.records == record_rotation::each_key ? bh * 8 * (L.head_dim / 2) * sizeof(float2) : 0;
@@ -335,7 +338,7 @@ struct decode_workspace {
   }
   /// Bytes of one device block that holds every part, each from a 256-byte boundary (bind).
   std::size_t bytes() const {
-    return aligned(o) + aligned(ml) + aligned(mass) + aligned(factor) + aligned(tickets) + aligned(q) + aligned(table);
+    return aligned(o) + aligned(ml) + aligned(mass) + aligned(lse) + aligned(tickets) + aligned(q) + aligned(table);
   }
   /// Points a's workspace (part_o to cs_table) into `block`: bytes() bytes of device memory, from a
   /// 256-byte boundary, zeroed once before the first launch (the tickets must start at zero, and
@@ -349,7 +352,7 @@ struct decode_workspace {
     take(a.part_o, o);
     take(a.part_ml, ml);
     take(a.part_mass, mass);
-    take(a.part_factor, factor);
+    take(a.part_lse, lse);
     take(a.tickets, tickets);
     take(a.q_fragments, q);
     take(a.cs_table, table);
@@ -402,6 +405,13 @@ __device__ __forceinline__ float log2_sfu(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+/// *p = v where `store`, as one predicated instruction: a branch around a store inside the decode
+/// loops would split their instruction streams in two, which the scheduler then cannot interleave.
+__device__ __forceinline__ void store_if(float* p, float v, bool store) {
+  asm volatile("{\n .reg .pred s;\n setp.ne.b32 s, %2, 0;\n @s st.global.f32 [%0], %1;\n}" ::"l"(p), "f"(v), "r"(static_cast<int>(store))
+               : "memory");
 }
 
 /// The first run of set bits in the mask m of 32 Words bits (bit i of word w is bit 32 w + i):
@@ -1459,13 +1469,18 @@ __device__ __forceinline__ float2 value_norms(const std::uint8_t* s_item, int la
   return make_float2(sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t)), sqrtf(__shfl_sync(0xffffffffu, sq, 8 * t + 4)));
 }
 
-/// A chunk's factor for the window masses of one query head, exp2(m_chunk - LSE): 0 for a chunk
+/// A chunk's factor for its partial output of one query head, exp2(m_chunk - LSE): 0 for a chunk
 /// that saw no token of that head (m_chunk = -inf).
 __device__ __forceinline__ float chunk_factor(float m_chunk, float lse) { return m_chunk == -INFINITY ? 0.f : exp2_sfu(m_chunk - lse); }
 
+/// A query head's log-sum-exp (log2 units) over its tokens, M + log2(l) for a running maximum M and
+/// sum l of 2^(s - M), as decode_arguments::part_lse keeps it: 0 for a head without tokens, whose
+/// window masses are all log2(0) = -inf, so that 2^(mass - LSE) is 0 rather than 2^(-inf + inf).
+__device__ __forceinline__ float head_lse(float M, float l) { return l > 0.f ? M + log2f(l) : 0.f; }
+
 /// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
-/// each query head's log-sum-exp over the chunks, its output, and (EmitMass) each chunk's factor
-/// exp2(m_chunk - LSE) for the window masses (decode_mass_kernel). factor_s: n_chunks * group
+/// each query head's log-sum-exp over the chunks (EmitMass: into part_lse, for decode_mass_kernel),
+/// and its output, the chunks' partials weighted by their factors exp2(m_chunk - LSE). factor_s: n_chunks * group
 /// floats of shared memory (decode_attention checks that they fit). Partials are read from L2
 /// (ld.global.cg): other SMs wrote them.
 template <int D, bool EmitMass>
@@ -1501,13 +1516,13 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
       add(m, l);
     }
     const float lse = M + log2f(S);
-    if (head)
+    if (head) {
+      if (EmitMass && sub == 0) A.part_lse[(static_cast<std::size_t>(b) * L.kv_heads + h) * G + hg] = head_lse(M, S);
       for (int c = sub; c < n_chunks; c += span) {
         const float m = factor_s[c * G + hg];
-        const float f = chunk_factor(m, lse);
-        factor_s[c * G + hg] = f;
-        if constexpr (EmitMass) A.part_factor[(row0 + c) * G + hg] = f;
+        factor_s[c * G + hg] = chunk_factor(m, lse);
       }
+    }
   }
   __syncthreads();
   // Output: four channels of one head per thread and step.
@@ -1573,14 +1588,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   // Windows per item (W < 8: each has its own mass).
   constexpr int S = item_count::windows_per_item(W);
-  constexpr int mass_items = EmitMass ? chunk_capacity : 1;
   extern __shared__ __align__(128) std::uint8_t dynamic_s[];
   // [warp][stage][2 items][item_bytes], from a stage_alignment boundary (chunk_step)
   std::uint8_t* const stage_s = dynamic_s + (-warp::shared_address(dynamic_s) & (stage_alignment - 1));
-  // Each window of the item, per head: log2 of its sum of 2^(s - m_ref), plus m_ref (the warp's
-  // running maximum then). One float instead of the pair (sum, m_ref): 192 items fit beside three
-  // CTAs per SM (max_items_per_chunk).
-  __shared__ float mass_s[mass_items][S][8];
   __shared__ float3 mlz_s[warps_per_cta][8];
   __shared__ item_ref items_s[chunk_capacity];  // this chunk's items, pairs padded with empty ones
   __shared__ std::uint32_t rows_s[W < 8 ? chunk_capacity : 1][8];  // kind-3 items' key-row offsets
@@ -1625,6 +1635,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // are in flight, so that those copies overlap the end of that kernel.
   // The (sequence, KV head) index, formed from the block's indices where it is used.
   auto pair_index = [&] { return static_cast<std::size_t>(b) * L.kv_heads + h; };
+  // The window masses go straight to part_mass as the loops form them: for item li of this chunk,
+  // window j of the item and head hg, part_mass[mass_at + (li * S + j) * G + hg] = log2 of the sum of 2^s over
+  // the window's tokens (s: the head's scores in log2 units). That needs no maximum known only at
+  // the end, so nothing waits in shared memory: the mass kernel subtracts each head's log-sum-exp.
+  // A 32-bit index (decode_attention checks that it fits), so that a store is one multiply-add
+  // from it and part_mass, a kernel parameter, rather than a 64-bit address kept across the loops.
+  const int mass_at = EmitMass ? static_cast<int>((pair_index() * L.max_items + first_item) * S * G) : 0;
   auto load_query = [&] {
     grid::wait_for_previous_kernel();  // nothing to wait for with own_query: an ordinary launch
     const uint4* frag = A.q_fragments + pair_index() * (2 * D / 16) * 32 + lane_id;
@@ -1744,10 +1761,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     // slower at 32x32K / 20 % with the masses first (docs/performance-history.md, v24c).
     auto emit_mass = [&] {
       // Row g's threads hold tokens (2t, 2t+1): sum over each window's tokens, each weighted by
-      // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records).
-      // Branch-free: item b of a chunk's last pair may not exist (its row is past the chunk's
-      // items, within mass_s, and never read), and lanes that hold the same window's sum after a
-      // butterfly write the same value to the same word.
+      // ‖v‖ for a value-weighted scorer (token rows only: such caches keep no records). Rows of
+      // heads past the group (g >= G) and, with the low parts folded, rows 4-7 (copies of rows
+      // 0-3) write nothing; nor does item b of a chunk's last pair where it does not exist (its
+      // word is the next chunk's first item).
       float2 wa = make_float2(1.f, 1.f), wb = wa;
       if constexpr (ValueWeighted) {
         wa = value_norms<D, Bf16>(s_a, lane_id, t);
@@ -1755,21 +1772,25 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       }
       // log2(0) = -inf, and -inf + m_ref stays -inf.
       auto log_mass = [&](float sum) { return log2_sfu(sum) + m_ref; };
+      auto store = [&](int li, int j, float lm) {
+        store_if(A.part_mass + (mass_at + (li * S + j) * G + g), lm, g < G && li < chunk_items);
+      };
       if constexpr (W == 1) {
-        mass_s[li_a][2 * t][g] = log_mass(pa0 * wa.x);
-        mass_s[li_a][2 * t + 1][g] = log_mass(pa1 * wa.y);
-        mass_s[li_b][2 * t][g] = log_mass(pb0 * wb.x);
-        mass_s[li_b][2 * t + 1][g] = log_mass(pb1 * wb.y);
+        store(li_a, 2 * t, log_mass(pa0 * wa.x));
+        store(li_a, 2 * t + 1, log_mass(pa1 * wa.y));
+        store(li_b, 2 * t, log_mass(pb0 * wb.x));
+        store(li_b, 2 * t + 1, log_mass(pb1 * wb.y));
       } else if constexpr (W >= 8) {
         // One butterfly for both items: after the first exchange even lanes hold half of item a's
         // sum and odd lanes half of item b's; after the second, lanes 0 and 2 hold item a's sum,
-        // lanes 1 and 3 item b's (li_b = li_a + 1).
+        // lanes 1 and 3 item b's (li_b = li_a + 1); lanes 0 and 1 store them.
         const int odd = t & 1;
         const float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
         float x = odd ? mb : ma;
         x += __shfl_xor_sync(0xffffffffu, odd ? ma : mb, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
-        mass_s[li_a + odd][0][g] = log_mass(x);
+        const float lm = log_mass(x);
+        if (t < 2) store(li_a + odd, 0, lm);
       } else {
         constexpr int threads_per_window = W / 2;  // 8/W windows of W tokens in an item
         float ma = pa0 * wa.x + pa1 * wa.y, mb = pb0 * wb.x + pb1 * wb.y;
@@ -1778,8 +1799,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           ma += __shfl_xor_sync(0xffffffffu, ma, o);
           mb += __shfl_xor_sync(0xffffffffu, mb, o);
         }
-        mass_s[li_a][t / threads_per_window][g] = log_mass(ma);
-        mass_s[li_b][t / threads_per_window][g] = log_mass(mb);
+        if (t % threads_per_window == 0) {
+          store(li_a, t / threads_per_window, log_mass(ma));
+          store(li_b, t / threads_per_window, log_mass(mb));
+        }
       }
     };
     if constexpr (EmitMass && FoldLow) emit_mass();
@@ -2001,7 +2024,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           x += __shfl_xor_sync(0xffffffffu, odd ? pa : pb, 4);
           x += __shfl_xor_sync(0xffffffffu, x, 8);
           x += __shfl_xor_sync(0xffffffffu, x, 16);
-          mass_s[li_a + odd][0][t] = log2_sfu(x) + m_ref;
+          // Rows 0 and 1 store them (both items of a pair of records exist).
+          store_if(A.part_mass + (mass_at + (li_a + odd) * G + t), log2_sfu(x) + m_ref, g < 2 && t < G);
         }
         // Row g of each item's P (tokens x columns): columns 2t, 2t + 1 = head t's value-scaled
         // probability, high and low bf16 parts; transposed, the B fragment of P^T.
@@ -2133,8 +2157,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
 
   // CTA merge: common max per head, then this chunk's partial (output, max, sum). In a launch of
   // one chunk per (sequence, KV head) — the launches without the query kernel — every CTA holds
-  // its pair's whole: it writes the output normalised and, for the mass kernel, its chunk's
-  // factor, and nothing is merged (no partials go through global memory and back). In a launch
+  // its pair's whole: it writes the output normalised and, for the mass kernel, its heads'
+  // log-sum-exps, and nothing is merged (no partials go through global memory and back). In a launch
   // of several chunks, a short lane's single chunk writes its partial and merges it itself, as
   // before v23 (finishing it alone there too measured slower: docs/performance-history.md, v23c).
   const bool alone = own_query;  // one chunk per (sequence, KV head) in this launch
@@ -2157,32 +2181,12 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
     }
     if (alone) {
       A.out[bh * G * D + e] = l > 0.f ? acc / l : 0.f;  // a head without tokens: zeros, as merged
-      // The chunk's factor with LSE = M + log2(l), as merge_chunks forms it for a single chunk.
-      if (EmitMass && c == 0) A.part_factor[chunk_row * G + hg] = chunk_factor(M, M + log2f(l));
+      if (EmitMass && c == 0) A.part_lse[bh * G + hg] = head_lse(M, l);
     } else {
       A.part_o[chunk_row * G * D + e] = acc;
       if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
     }
   }
-  if constexpr (EmitMass) {
-    // part_mass[b][h][item][window of the item][head of the group], relative to the CTA's maximum.
-    // Thread i serves head i % 8 (if the group has it) of items i / 8, i / 8 + 16, ...: the head's
-    // maximum is formed once, and no index needs a division by the run-time group size.
-    const int hg = threadIdx.x & 7;
-    if (hg < G) {
-      float M = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < warps_per_cta; ++w) M = fmaxf(M, mlz_s[w][hg].x);
-      float* out = A.part_mass + (bh * L.max_items + static_cast<std::size_t>(first_item)) * S * G + hg;
-      for (int li = threadIdx.x >> 3; li < chunk_items; li += warps_per_cta * 32 / 8)
-#pragma unroll
-        for (int j = 0; j < S; ++j) {
-          const float lm = mass_s[li][j][hg];  // <= M + rescale_margin<Bf16>, and M is finite wherever lm is
-          out[(li * S + j) * G] = lm == -INFINITY ? 0.f : exp2_sfu(lm - M);
-        }
-    }
-  }
-
   if (alone) return;  // the output is written
 
   // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
@@ -2213,22 +2217,22 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   merge_chunks<D, EmitMass>(L, A, b, h, n_chunks, reinterpret_cast<float*>(stage_s));
 }
 
-/// Threads per CTA of the window-mass kernel. Its threads hold 32 values and 32 factors at once
+/// Threads per CTA of the window-mass kernel. Its threads hold 32 values and 32 log-sum-exps at once
 /// (about 90 registers): at 128 threads a CTA, five CTAs fit on an SM (660 on an H200), so that the
 /// 640 CTAs of a 20 % step at batch 32 and 32K tokens all run at once (256 threads a CTA: two CTAs
 /// an SM, and that grid in two waves).
 constexpr int mass_threads = 128;
 
-/// KV heads whose values and factors a thread of the window-mass kernel loads before its first
+/// KV heads whose values and log-sum-exps a thread of the window-mass kernel loads before its first
 /// addition, for groups of at most MaxGroup query heads: 32 of each in registers, so that a unit
 /// of 8 KV heads with groups of at most 4 is summed after one round trip to memory.
 template <int MaxGroup>
 inline constexpr int mass_heads_at_once = 32 / MaxGroup;
 
 /// Window masses of a launch with EmitMass, after the decode kernel has merged its chunks: each
-/// listed or recent window's mass is the sum over its unit's query heads of its items' values
-/// (part_mass) times their chunk's factor (part_factor), divided by the unit's query heads, and
-/// goes into its score. Grid: (x, batch), one thread per window. MaxGroup (4 or 8) bounds the
+/// listed or recent window's mass is the sum over its unit's query heads of 2^(its items' values
+/// (part_mass) - the head's log-sum-exp (part_lse)), divided by the unit's query heads, and goes
+/// into its score. Grid: (x, batch), one thread per window. MaxGroup (4 or 8) bounds the
 /// launch's GQA group.
 template <int W, class Scorer, int MaxGroup>
 __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
@@ -2261,30 +2265,29 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
     window_record& rec = table[w * L.units + u];
     const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
     // Everything above is the routing state, which the decode kernel does not write; its masses
-    // and factors follow (launch_dependent).
+    // and log-sum-exps follow (launch_dependent).
     grid::wait_for_previous_kernel();
     // The unit's heads in order, each over its query heads, in a fixed order of additions. The
-    // values and factors of mass_heads_at_once heads are loaded into registers of their own before
+    // values and log-sum-exps of mass_heads_at_once heads are loaded into registers of their own before
     // the first addition, so that all their loads are in flight at once (a register that the next
     // load reused would wait for the addition, and so for the load before it); a group of 4 or 8
     // query heads is loaded in 16-byte pieces.
     constexpr int K = mass_heads_at_once<MaxGroup>;
     const std::size_t head_stride = static_cast<std::size_t>(L.max_items) * S * G;
-    const std::size_t factor_stride = static_cast<std::size_t>(A.max_chunks) * G;
     const std::size_t bh0 = static_cast<std::size_t>(b) * L.kv_heads + u * hu;  // the unit's first KV head
     const bool whole_pieces = G % 4 == 0;
     float mass = 0.f;
     for (int p = 0; p < P && item0 + p < n_items; ++p) {
-      const int li = item0 + p, c = li / A.items_per_chunk;
+      const int li = item0 + p;
       const float* pm = A.part_mass + ((bh0 * L.max_items + li) * S + j) * G;
-      const float* f = A.part_factor + (bh0 * A.max_chunks + c) * G;
+      const float* f = A.part_lse + bh0 * G;
       for (int k0 = 0; k0 < hu; k0 += K) {
         float v[K][MaxGroup], w[K][MaxGroup];
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           if (k0 + k >= hu) break;
           const float* vk = pm + (k0 + k) * head_stride;
-          const float* wk = f + (k0 + k) * factor_stride;
+          const float* wk = f + (k0 + k) * G;
           if (whole_pieces) {
 #pragma unroll
             for (int q = 0; q < MaxGroup / 4; ++q)
@@ -2304,7 +2307,7 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
           if (k0 + k >= hu) break;
 #pragma unroll
           for (int hg = 0; hg < MaxGroup; ++hg)
-            if (hg < G) mass += v[k][hg] * w[k][hg];
+            if (hg < G) mass += exp2_sfu(v[k][hg] - w[k][hg]);  // 2^-inf = 0: a window without mass
         }
       }
     }
@@ -2351,6 +2354,9 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
                               static_cast<std::size_t>(detail::window_cs_offset<D>),
                           "decode_attention: a quantized record does not fit its shared-memory slot");
   if (args.batch == 0) return;
+  qevict::detail::require(!EmitMass || static_cast<std::size_t>(args.batch) * L.kv_heads * L.max_items * L.windows_per_item() * L.group <
+                                           (std::size_t{1} << 31),
+                          "decode_attention: the window masses of this batch exceed 2^31 values; attend in smaller batches");
   static constexpr int smem_bytes = detail::dynamic_smem_bytes<D>;
   // A value-weighted scorer's mass weighs each token by ‖v‖ (token rows only: no records).
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;

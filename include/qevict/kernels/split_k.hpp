@@ -15,12 +15,12 @@
 namespace qevict::kernels {
 
 /// The longest split-K chunk the decode kernel supports for windows of `window` tokens. Its 128
-/// threads describe a chunk's items (one per thread and round), and each item's mass per head
-/// (one value per window of the item) stays in shared memory while the CTA runs: 192 items fit
-/// beside three CTAs per SM where an item holds at most one window's mass (W >= 8); with W < 8 an
-/// item holds 8/W masses, and 128 items keep the CTAs that fit an SM (two at W = 1). Chunks are
-/// multiples of 8 items (a warp takes two items at a time, a CTA has four warps).
-inline constexpr int max_items_per_chunk(int window) { return window >= 8 ? 192 : 128; }
+/// threads describe a chunk's items (one per thread and round) into shared memory, 16 bytes an
+/// item, where the descriptions stay while the CTA runs: 384 items (6 KiB) fit beside three CTAs
+/// per SM. With W < 8 an item also keeps the offsets of the 8/W windows it gathers (32 bytes), and
+/// chunks stay at 128 items. Chunks are multiples of 8 items (a warp takes two items at a time, a
+/// CTA has four warps).
+inline constexpr int max_items_per_chunk(int window) { return window >= 8 ? 384 : 128; }
 /// The shortest chunk an automatic launch considers (a lane shorter than that is one chunk), and
 /// the chunk length its workspace is sized for over the layout's longest lane
 /// (decode_workspace::chunks_for), so that every automatic choice fits. In the chunk sweeps of

@@ -69,7 +69,7 @@ class cuda_cache;
 struct cuda_settings {
   cudaStream_t stream = nullptr;  ///< every call is ordered on this stream
   /// Split-K chunk of the decode kernel: a multiple of 8 up to kernels::max_items_per_chunk(W)
-  /// items (192 for windows of at least 8 tokens, 128 below), or 0 to choose per call
+  /// items (384 for windows of at least 8 tokens, 128 below), or 0 to choose per call
   /// (kernels::decode_chunk: nearly equal chunks of up to that many items, whichever keeps the
   /// busiest CTA slot shortest).
   int items_per_chunk = 0;
