@@ -33,6 +33,9 @@ TEST_CASE("decode_chunk: the longest chunks in a busy grid, else the busiest CTA
   // CTAs). With 8 lanes, 104 CTAs of 192 are not a busy grid: the slot count decides (56 above).
   CHECK(decode_chunk(32, 8, 2451, 396, 1000, longest) == 192);
   CHECK(decode_chunk(32, 8, 2451, 396, 1000, 128) == 128);
+  // With chunks of up to 384 items (max_items_per_chunk for windows of 8 tokens): 7 chunks of 351
+  // -> 352 make 1792 CTAs, 4.5 waves: taken outright.
+  CHECK(decode_chunk(32, 8, 2451, 396, 1000, max_items_per_chunk(8)) == 352);
   // Just below 4 waves the slot count decides: 32 x 8K all Full (1029 items) makes 6 chunks of 176,
   // 1536 CTAs (3.9 waves), and 176 wins on whole waves too (4 x 200 + 32 = 832 against 5 x 176
   // + 32 = 912 for 7 chunks of 152); 32 x 32K at 10 % (1230 items), 7 chunks of 176 (4.5 waves):
