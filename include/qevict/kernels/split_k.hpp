@@ -44,7 +44,7 @@ inline constexpr int several_chunks_cost = 32;
 /// 32 sequences of 32K tokens (8.4 waves of 192 items at a 20 % budget), where the step got faster
 /// with every longer chunk up to the longest, in every key frame (docs/performance-history.md, "One point at f22cc2b");
 /// with chunks of up to 384 items the rule takes 352 there (4.5 waves), measured 2.3 % faster than
-/// 192 (docs/performance.md, "One point at 9d313a6").
+/// 192 (docs/performance-history.md, "One point at 9d313a6").
 inline constexpr int busy_grid_waves = 4;
 
 /// The split-K chunk of an automatic launch for `batch` sequences of at most `max_items` items per
