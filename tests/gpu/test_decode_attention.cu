@@ -192,6 +192,12 @@ void run_case(const case_spec& spec, unsigned seed) {
   std::vector<unsigned> tickets(ws.tickets / sizeof(unsigned), 1u);
   QEVICT_CUDA_CHECK(cudaMemcpy(tickets.data(), a.tickets, ws.tickets, cudaMemcpyDeviceToHost));
   REQUIRE(tickets == std::vector<unsigned>(tickets.size(), 0u));
+  // So did the last mass CTA of each sequence with its two counters (the KV heads merged, the mass
+  // CTAs that saw them): the second launch's mass kernel waits for that launch's merges, not the
+  // first one's.
+  std::vector<unsigned> signals(ws.signals / sizeof(unsigned), 1u);
+  QEVICT_CUDA_CHECK(cudaMemcpy(signals.data(), a.mass_signals, ws.signals, cudaMemcpyDeviceToHost));
+  REQUIRE(signals == std::vector<unsigned>(signals.size(), 0u));
   d_arena.upload(built.arena);
   kernels::decode_attention<true, scorers::cumulative_mass>(spec.element, L, a, built.max_items, nullptr);
   QEVICT_CUDA_CHECK(cudaDeviceSynchronize());

@@ -57,7 +57,8 @@ struct device_memory {
   std::size_t arena = 0;             ///< the budgeted regions (required_bytes); 0 with external storage
   std::size_t tables = 0;            ///< lane states, window lists and their counts, free-slot lists,
                                      ///< routing's task lists, rotary frequencies, the error slot
-  std::size_t decode_workspace = 0;  ///< split-K partials, window masses and factors, tickets, query fragments
+  std::size_t decode_workspace = 0;  ///< split-K partials, window masses and factors, tickets and mass
+                                     ///< signals, query fragments
   std::size_t total() const { return arena + tables + decode_workspace; }
 };
 

@@ -54,7 +54,9 @@
 // log-sum-exp and the output (merge_chunks); in a launch of one chunk per (sequence, KV head) each
 // CTA finishes its pair alone (the output normalised in place, its log-sum-exps written directly).
 // decode_mass_kernel then adds each window's mass = sum over heads of 2^(that value - the head's
-// log-sum-exp) / H_q to its score. No per-token probability is written and K is read once.
+// log-sum-exp) / H_q to its score; it starts under the decode grid's last wave, and each of its CTAs
+// waits only until its own sequence's KV heads are merged (two counters a sequence). No per-token
+// probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -299,6 +301,10 @@ struct decode_arguments {
   /// [batch][kv_heads]: chunks of each (sequence, KV head) that have written their partials. Zero
   /// before the first launch; every launch leaves them zero (the merging CTA resets its own).
   unsigned* tickets = nullptr;
+  /// [batch][2], with EmitMass: the sequence's KV heads whose log-sum-exps are written, and the mass
+  /// kernel's CTAs that have seen all of them (wait_for_lse_written). Zero before the first launch;
+  /// every launch leaves them zero (the sequence's last mass CTA resets both).
+  unsigned* mass_signals = nullptr;
   /// [batch][kv_heads][2 * head_dim / 16][32 lanes] uint4: the query of each KV head's group as the
   /// decode kernel's lanes hold it (query_fragments), written with prepare_query.
   uint4* q_fragments = nullptr;
@@ -316,7 +322,7 @@ struct decode_arguments {
 /// Workspace sizes for `batch` sequences. Partial outputs are kept per chunk, window masses per
 /// item (whatever the chunk length).
 struct decode_workspace {
-  std::size_t o = 0, ml = 0, mass = 0, lse = 0, tickets = 0, q = 0, table = 0;
+  std::size_t o = 0, ml = 0, mass = 0, lse = 0, tickets = 0, signals = 0, q = 0, table = 0;
   /// Chunks of a (sequence, KV head) with the longest lane: for items_per_chunk 0 (automatic),
   /// chunks of min_automatic_chunk items, the most chunks any automatic choice makes.
   static int chunks_for(const decode_layout& L, int items_per_chunk) {
@@ -332,17 +338,19 @@ struct decode_workspace {
     w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
     w.lse = bh * L.group * sizeof(float);
     w.tickets = bh * sizeof(unsigned);  // must start zeroed
+    w.signals = 2 * static_cast<std::size_t>(batch) * sizeof(unsigned);  // must start zeroed
     w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
     w.table = L.records == record_rotation::each_key ? bh * 8 * (L.head_dim / 2) * sizeof(float2) : 0;
     return w;
   }
   /// Bytes of one device block that holds every part, each from a 256-byte boundary (bind).
   std::size_t bytes() const {
-    return aligned(o) + aligned(ml) + aligned(mass) + aligned(lse) + aligned(tickets) + aligned(q) + aligned(table);
+    return aligned(o) + aligned(ml) + aligned(mass) + aligned(lse) + aligned(tickets) + aligned(signals) + aligned(q) +
+           aligned(table);
   }
   /// Points a's workspace (part_o to cs_table) into `block`: bytes() bytes of device memory, from a
-  /// 256-byte boundary, zeroed once before the first launch (the tickets must start at zero, and
-  /// every launch leaves them so).
+  /// 256-byte boundary, zeroed once before the first launch (the tickets and the mass signals must
+  /// start at zero, and every launch leaves them so).
   void bind(void* block, decode_arguments& a) const {
     auto* at = static_cast<std::byte*>(block);
     auto take = [&](auto*& part, std::size_t n) {
@@ -354,6 +362,7 @@ struct decode_workspace {
     take(a.part_mass, mass);
     take(a.part_lse, lse);
     take(a.tickets, tickets);
+    take(a.mass_signals, signals);
     take(a.q_fragments, q);
     take(a.cs_table, table);
   }
@@ -1478,6 +1487,41 @@ __device__ __forceinline__ float chunk_factor(float m_chunk, float lse) { return
 /// window masses are all log2(0) = -inf, so that 2^(mass - LSE) is 0 rather than 2^(-inf + inf).
 __device__ __forceinline__ float head_lse(float M, float l) { return l > 0.f ? M + log2f(l) : 0.f; }
 
+/// The two counters of sequence b (decode_arguments::mass_signals): [0] its KV heads whose
+/// log-sum-exps are written, [1] the mass kernel's CTAs of b that have seen all of them. The mass
+/// kernel starts under the decode grid's last wave and its CTAs wait for their own sequence only,
+/// so that the masses of the sequences that are done are summed while the grid's last CTAs still
+/// run, instead of after the whole grid.
+__device__ __forceinline__ unsigned* mass_signals(const decode_arguments& A, int b) { return A.mass_signals + 2 * b; }
+
+/// Called by one thread of the CTA that wrote (sequence b, KV head)'s log-sum-exps, after a barrier
+/// behind those writes. Release, cumulative over that barrier and over what the CTA acquired
+/// through its ticket (the other chunks' masses): a mass CTA that acquires the count sees them all.
+__device__ __forceinline__ void signal_lse_written(const decode_arguments& A, int b) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(mass_signals(A, b)) : "memory");
+}
+
+/// The mass kernel's wait for sequence b, by every thread of the CTA (one polls): returns once all
+/// L.kv_heads log-sum-exps of b, and every mass of b, are written and visible. The sequence's last
+/// CTA to pass sets both counters back to zero for the next launch: every CTA of b has then stopped
+/// reading them, and the next launch is ordered after this one by the stream.
+__device__ __forceinline__ void wait_for_lse_written(const decode_layout& L, const decode_arguments& A, int b) {
+  if (threadIdx.x == 0) {
+    unsigned* s = mass_signals(A, b);
+    for (;;) {
+      unsigned n;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(s) : "memory");
+      if (n >= static_cast<unsigned>(L.kv_heads)) break;
+      __nanosleep(256);
+    }
+    if (atomicAdd(s + 1, 1u) == gridDim.x - 1) {
+      s[0] = 0u;
+      s[1] = 0u;
+    }
+  }
+  __syncthreads();
+}
+
 /// The merge of one (sequence b, KV head h)'s `n_chunks` partials by one CTA of the decode kernel:
 /// each query head's log-sum-exp over the chunks (EmitMass: into part_lse, for decode_mass_kernel),
 /// and its output, the chunks' partials weighted by their factors exp2(m_chunk - LSE). factor_s: n_chunks * group
@@ -1525,6 +1569,7 @@ __device__ __forceinline__ void merge_chunks(const decode_layout& L, const decod
     }
   }
   __syncthreads();
+  if (EmitMass && threadIdx.x == 0) signal_lse_written(A, b);
   // Output: four channels of one head per thread and step.
   const float4* part = reinterpret_cast<const float4*>(A.part_o + row0 * G * D);
   float4* out = reinterpret_cast<float4*>(A.out + (static_cast<std::size_t>(b) * L.kv_heads + h) * G * D);
@@ -1560,6 +1605,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // KV heads vary fastest in the grid: the CTAs of one chunk's heads run together, and since a Full
   // slot or a ledger record holds all heads of its window side by side, they read it as one block.
   const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z;
+  // The mass kernel may launch once every CTA of this grid has started, that is under its last
+  // wave: its CTAs wait for their own sequence's log-sum-exps (wait_for_lse_written), not for the
+  // whole grid.
+  grid::let_next_kernel_start();
   // A launch of one chunk per (sequence, KV head) has no query kernel before it: each CTA prepares
   // its own query, whose inputs it loads first (they need nothing else).
   const bool own_query = gridDim.y == 1;
@@ -2114,9 +2163,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   warp::cp_async_wait<0>();
   __syncwarp();
-  // The mass kernel may launch once every CTA is past its copies; it waits for this grid to end
-  // before it reads the masses.
-  grid::let_next_kernel_start();
 
   // Warp partials -> shared memory (the warp's own stages, now idle): rows o_of(w)[n] are the
   // output's columns n, the folded product's high parts in rows 0-3 and low parts in rows 4-7.
@@ -2187,7 +2233,13 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
     }
   }
-  if (alone) return;  // the output is written
+  if (alone) {  // the output is written
+    if constexpr (EmitMass) {
+      __syncthreads();  // every head's log-sum-exp is written
+      if (threadIdx.x == 0) signal_lse_written(A, b);
+    }
+    return;
+  }
 
   // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
   // once its partials are written, and the one that draws the last merges them, while the other
@@ -2254,19 +2306,21 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
   for (int u = 0; u < L.units; ++u) {
     const int list = lane_index * L.units + u;
     const int n_entries = A.entry_counts[list];
-    if (i >= n_entries + (started - lane.aged)) continue;
     const int n_items = items_of<W>(L, lane, n_entries);
     const bool listed = i < n_entries;
     const int r = listed ? i : i - n_entries;  // index among the listed or among the recent windows
-    const int w = listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
-    if (w < 0) continue;  // a padding entry (decode_layout::record_entries)
+    const bool has_window = i < n_entries + (started - lane.aged);
+    const int w = !has_window ? -1 : listed ? A.entries[static_cast<std::size_t>(list) * L.entries_per_lane + i].window : lane.aged + r;
+    // w < 0: no window, or a padding entry (decode_layout::record_entries).
     const int base = first_item + (listed ? 0 : item_count::listed(W, n_entries));
     const int item0 = base + (W >= 8 ? r * P : r / S), j = W >= 8 ? 0 : r % S;
-    window_record& rec = table[w * L.units + u];
-    const float score = rec.score;  // loaded before the sum, so that its latency overlaps the sum's loads
+    window_record* rec = table + (w < 0 ? 0 : w * L.units + u);
+    const float score = w < 0 ? 0.f : rec->score;  // loaded before the wait, so that its latency overlaps it
     // Everything above is the routing state, which the decode kernel does not write; its masses
-    // and log-sum-exps follow (launch_dependent).
-    grid::wait_for_previous_kernel();
+    // and log-sum-exps follow, once the sequence's KV heads are merged (every thread of the CTA
+    // reaches the wait, which is a barrier).
+    if (u == 0) wait_for_lse_written(L, A, b);
+    if (w < 0) continue;
     // The unit's heads in order, each over its query heads, in a fixed order of additions. The
     // values and log-sum-exps of mass_heads_at_once heads are loaded into registers of their own before
     // the first addition, so that all their loads are in flight at once (a register that the next
@@ -2312,7 +2366,7 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
       }
     }
     mass /= static_cast<float>(HQ / L.units);
-    rec.score = Scorer::accumulate(score, mass);
+    rec->score = Scorer::accumulate(score, mass);
   }
 }
 
