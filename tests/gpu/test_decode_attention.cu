@@ -193,8 +193,8 @@ void run_case(const case_spec& spec, unsigned seed) {
   QEVICT_CUDA_CHECK(cudaMemcpy(tickets.data(), a.tickets, ws.tickets, cudaMemcpyDeviceToHost));
   REQUIRE(tickets == std::vector<unsigned>(tickets.size(), 0u));
   // So did the last mass CTA of each sequence with its two counters (the KV heads merged, the mass
-  // CTAs that saw them): the second launch's mass kernel waits for that launch's merges, not the
-  // first one's.
+  // CTAs that saw them), and the mass grid's last CTA with its count of finished CTAs: the second
+  // launch's mass kernel waits for that launch's merges, not the first one's.
   std::vector<unsigned> signals(ws.signals / sizeof(unsigned), 1u);
   QEVICT_CUDA_CHECK(cudaMemcpy(signals.data(), a.mass_signals, ws.signals, cudaMemcpyDeviceToHost));
   REQUIRE(signals == std::vector<unsigned>(signals.size(), 0u));

@@ -135,11 +135,11 @@ void check_layouts(int head_dim, const budget& b) {
     CHECK(ws.o == bh * chunks * group * head_dim * sizeof(float));
     CHECK(ws.ml == bh * chunks * group * 2 * sizeof(float));
     CHECK(ws.mass == bh * L.max_items * S * group * sizeof(float));
-    // A log-sum-exp per query head, whatever the chunks; a ticket per (sequence, KV head); two
-    // mass signals per sequence.
+    // A log-sum-exp per query head, whatever the chunks; a ticket per (sequence, KV head); the mass
+    // kernel's count of finished CTAs and two mass signals per sequence.
     CHECK(ws.lse == bh * group * sizeof(float));
     CHECK(ws.tickets == bh * sizeof(unsigned));
-    CHECK(ws.signals == 3 * 2 * sizeof(unsigned));
+    CHECK(ws.signals == (1 + 3 * 2) * sizeof(unsigned));
     // Query fragments: per (sequence, KV head), 2 * head_dim / 16 loads of 16 bytes for each of 32
     // lanes; with keys rotated one by one, e^{i j f_p} (j < 8, D/2 frequencies) per (sequence, KV head).
     CHECK(ws.q == bh * 32 * (2 * head_dim / 16) * 16);

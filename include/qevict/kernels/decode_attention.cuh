@@ -301,9 +301,10 @@ struct decode_arguments {
   /// [batch][kv_heads]: chunks of each (sequence, KV head) that have written their partials. Zero
   /// before the first launch; every launch leaves them zero (the merging CTA resets its own).
   unsigned* tickets = nullptr;
-  /// [batch][2], with EmitMass: the sequence's KV heads whose log-sum-exps are written, and the mass
-  /// kernel's CTAs that have seen all of them (wait_for_lse_written). Zero before the first launch;
-  /// every launch leaves them zero (the sequence's last mass CTA resets both).
+  /// With EmitMass: [0] the mass kernel's CTAs that have finished, then [batch][2]: the sequence's
+  /// KV heads whose log-sum-exps are written, and the mass kernel's CTAs that have seen all of them
+  /// (wait_for_lse_written). Zero before the first launch; every launch leaves them zero (the
+  /// sequence's last mass CTA resets its two, the grid's last CTA the first).
   unsigned* mass_signals = nullptr;
   /// [batch][kv_heads][2 * head_dim / 16][32 lanes] uint4: the query of each KV head's group as the
   /// decode kernel's lanes hold it (query_fragments), written with prepare_query.
@@ -338,7 +339,7 @@ struct decode_workspace {
     w.mass = bh * static_cast<std::size_t>(L.max_items) * L.windows_per_item() * L.group * sizeof(float);
     w.lse = bh * L.group * sizeof(float);
     w.tickets = bh * sizeof(unsigned);  // must start zeroed
-    w.signals = 2 * static_cast<std::size_t>(batch) * sizeof(unsigned);  // must start zeroed
+    w.signals = (1 + 2 * static_cast<std::size_t>(batch)) * sizeof(unsigned);  // must start zeroed
     w.q = bh * 32 * (2 * L.head_dim / 16) * sizeof(uint4);
     w.table = L.records == record_rotation::each_key ? bh * 8 * (L.head_dim / 2) * sizeof(float2) : 0;
     return w;
@@ -1492,7 +1493,20 @@ __device__ __forceinline__ float head_lse(float M, float l) { return l > 0.f ? M
 /// kernel starts under the decode grid's last wave and its CTAs wait for their own sequence only,
 /// so that the masses of the sequences that are done are summed while the grid's last CTAs still
 /// run, instead of after the whole grid.
-__device__ __forceinline__ unsigned* mass_signals(const decode_arguments& A, int b) { return A.mass_signals + 2 * b; }
+__device__ __forceinline__ unsigned* mass_signals(const decode_arguments& A, int b) { return A.mass_signals + 1 + 2 * b; }
+
+/// The mass kernel's last act, by every thread of a CTA: the grid's last CTA to finish waits for the
+/// decode grid to end before it exits. Its CTAs wait only for their own sequences' merges, and the
+/// decode CTAs still write their outputs after that, so without this the mass kernel could end
+/// before the decode kernel, and a kernel launched as its dependent would wait for the mass kernel
+/// alone. The grid's last CTA resets the count for the next launch.
+__device__ __forceinline__ void end_after_decode_grid(const decode_arguments& A) {
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(A.mass_signals, 1u) == gridDim.x * gridDim.y - 1) {
+    A.mass_signals[0] = 0u;
+    grid::wait_for_previous_kernel();
+  }
+}
 
 /// Called by one thread of the CTA that wrote (sequence b, KV head)'s log-sum-exps, after a barrier
 /// behind those writes. Release, cumulative over that barrier and over what the CTA acquired
@@ -2368,6 +2382,7 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
     mass /= static_cast<float>(HQ / L.units);
     rec->score = Scorer::accumulate(score, mass);
   }
+  end_after_decode_grid(A);
 }
 
 }  // namespace detail
