@@ -1522,12 +1522,15 @@ __device__ __forceinline__ void signal_lse_written(const decode_arguments& A, in
 __device__ __forceinline__ void wait_for_lse_written(const decode_layout& L, const decode_arguments& A, int b) {
   if (threadIdx.x == 0) {
     unsigned* s = mass_signals(A, b);
+    // Polled with relaxed loads, then one acquire fence: an acquire empties the SM's L1, under
+    // the decode CTAs that still run there.
     for (;;) {
       unsigned n;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(s) : "memory");
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(s) : "memory");
       if (n >= static_cast<unsigned>(L.kv_heads)) break;
       __nanosleep(256);
     }
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire
     if (atomicAdd(s + 1, 1u) == gridDim.x - 1) {
       s[0] = 0u;
       s[1] = 0u;
@@ -1619,13 +1622,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   // KV heads vary fastest in the grid: the CTAs of one chunk's heads run together, and since a Full
   // slot or a ledger record holds all heads of its window side by side, they read it as one block.
   const int h = blockIdx.x, chunk = blockIdx.y, b = blockIdx.z;
-  // The mass kernel may launch once every CTA of this grid has started, that is under its last
-  // wave: its CTAs wait for their own sequence's log-sum-exps (wait_for_lse_written), not for the
-  // whole grid.
-  grid::let_next_kernel_start();
   // A launch of one chunk per (sequence, KV head) has no query kernel before it: each CTA prepares
   // its own query, whose inputs it loads first (they need nothing else).
   const bool own_query = gridDim.y == 1;
+  // In a launch of several chunks the mass kernel may launch once every CTA of this grid has
+  // started, that is under its last wave: its CTAs wait for their own sequence's log-sum-exps
+  // (wait_for_lse_written), not for the whole grid. A launch of one chunk per (sequence, KV head)
+  // is a single wave whose CTAs end together: there it launches once every CTA is past its copies,
+  // and waits for the grid (decode_mass_kernel).
+  if (!own_query) grid::let_next_kernel_start();
   const query_inputs<D> query_in = own_query ? load_query_inputs<D>(L, A, b, h) : query_inputs<D>{};
   const int lane_index = A.batch_lanes[b];
   const lane_state lane = A.lanes[lane_index];
@@ -2177,6 +2182,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
   }
   warp::cp_async_wait<0>();
   __syncwarp();
+  if (own_query) grid::let_next_kernel_start();
 
   // Warp partials -> shared memory (the warp's own stages, now idle): rows o_of(w)[n] are the
   // output's columns n, the folded product's high parts in rows 0-3 and low parts in rows 4-7.
@@ -2247,13 +2253,7 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       if (c == 0) A.part_ml[chunk_row * G + hg] = make_float2(M, l);
     }
   }
-  if (alone) {  // the output is written
-    if constexpr (EmitMass) {
-      __syncthreads();  // every head's log-sum-exp is written
-      if (threadIdx.x == 0) signal_lse_written(A, b);
-    }
-    return;
-  }
+  if (alone) return;  // the output is written (the mass kernel waits for the whole grid)
 
   // Split-K merge, in the CTA that finishes its (sequence, KV head) last: each chunk takes a ticket
   // once its partials are written, and the one that draws the last merges them, while the other
@@ -2299,9 +2299,12 @@ inline constexpr int mass_heads_at_once = 32 / MaxGroup;
 /// listed or recent window's mass is the sum over its unit's query heads of 2^(its items' values
 /// (part_mass) - the head's log-sum-exp (part_lse)), divided by the unit's query heads, and goes
 /// into its score. Grid: (x, batch), one thread per window. MaxGroup (4 or 8) bounds the
-/// launch's GQA group.
+/// launch's GQA group. per_sequence: the decode launch had several chunks a (sequence, KV head), and
+/// each CTA waits for its own sequence's merges (wait_for_lse_written); else for the whole decode
+/// grid.
 template <int W, class Scorer, int MaxGroup>
-__global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_layout L, const decode_arguments A) {
+__global__ void __launch_bounds__(mass_threads)
+    decode_mass_kernel(const decode_layout L, const decode_arguments A, bool per_sequence) {
   static_assert(MaxGroup == 4 || MaxGroup == 8, "decode_mass_kernel: groups are loaded in 16-byte pieces of 4 heads");
   const int b = blockIdx.y;
   const int lane_index = A.batch_lanes[b];
@@ -2332,8 +2335,11 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
     const float score = w < 0 ? 0.f : rec->score;  // loaded before the wait, so that its latency overlaps it
     // Everything above is the routing state, which the decode kernel does not write; its masses
     // and log-sum-exps follow, once the sequence's KV heads are merged (every thread of the CTA
-    // reaches the wait, which is a barrier).
-    if (u == 0) wait_for_lse_written(L, A, b);
+    // reaches the wait, which is a barrier) or the decode grid has ended.
+    if (u == 0) {
+      if (per_sequence) wait_for_lse_written(L, A, b);
+      else grid::wait_for_previous_kernel();
+    }
     if (w < 0) continue;
     // The unit's heads in order, each over its query heads, in a fixed order of additions. The
     // values and log-sum-exps of mass_heads_at_once heads are loaded into registers of their own before
@@ -2382,7 +2388,7 @@ __global__ void __launch_bounds__(mass_threads) decode_mass_kernel(const decode_
     mass /= static_cast<float>(HQ / L.units);
     rec->score = Scorer::accumulate(score, mass);
   }
-  end_after_decode_grid(A);
+  if (per_sequence) end_after_decode_grid(A);
 }
 
 }  // namespace detail
@@ -2477,13 +2483,16 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
     return launch.template operator()<false>();
   }();
   if constexpr (EmitMass) {
+    // A launch of several chunks a (sequence, KV head) signals each merge (its grid's CTAs end
+    // over its last wave); one of a single chunk ends together, and its mass kernel waits for it.
+    const bool several_chunks = max_items > a.items_per_chunk;
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
     const int max_windows = max_items * item_count::windows_per_item(W);
     const auto mass_kernel = L.group <= 4 ? detail::decode_mass_kernel<W, Scorer, 4> : detail::decode_mass_kernel<W, Scorer, 8>;
     launch_dependent("decode_mass_kernel", mass_kernel,
                      dim3(static_cast<unsigned>((max_windows + detail::mass_threads - 1) / detail::mass_threads), static_cast<unsigned>(a.batch)),
-                     dim3(detail::mass_threads), 0, stream, L, a);
+                     dim3(detail::mass_threads), 0, stream, L, a, several_chunks);
   }
 }
 
