@@ -54,9 +54,10 @@
 // log-sum-exp and the output (merge_chunks); in a launch of one chunk per (sequence, KV head) each
 // CTA finishes its pair alone (the output normalised in place, its log-sum-exps written directly).
 // decode_mass_kernel then adds each window's mass = sum over heads of 2^(that value - the head's
-// log-sum-exp) / H_q to its score; it starts under the decode grid's last wave, and each of its CTAs
-// waits only until its own sequence's KV heads are merged (two counters a sequence). No per-token
-// probability is written and K is read once.
+// log-sum-exp) / H_q to its score. After a launch of several chunks a pair it starts under the
+// decode grid's last wave, and each of its CTAs waits only until its own sequence's KV heads are
+// merged (two counters a sequence); after a launch of one chunk a pair it waits for the whole grid.
+// No per-token probability is written and K is read once.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1489,10 +1490,10 @@ __device__ __forceinline__ float chunk_factor(float m_chunk, float lse) { return
 __device__ __forceinline__ float head_lse(float M, float l) { return l > 0.f ? M + log2f(l) : 0.f; }
 
 /// The two counters of sequence b (decode_arguments::mass_signals): [0] its KV heads whose
-/// log-sum-exps are written, [1] the mass kernel's CTAs of b that have seen all of them. The mass
-/// kernel starts under the decode grid's last wave and its CTAs wait for their own sequence only,
-/// so that the masses of the sequences that are done are summed while the grid's last CTAs still
-/// run, instead of after the whole grid.
+/// log-sum-exps are written, [1] the mass kernel's CTAs of b that have seen all of them. After a
+/// launch of several chunks a pair the mass kernel starts under the decode grid's last wave and its
+/// CTAs wait for their own sequence only, so that the masses of the sequences that are done are
+/// summed while the grid's last CTAs still run, instead of after the whole grid.
 __device__ __forceinline__ unsigned* mass_signals(const decode_arguments& A, int b) { return A.mass_signals + 1 + 2 * b; }
 
 /// The mass kernel's last act, by every thread of a CTA: the grid's last CTA to finish waits for the
