@@ -2438,12 +2438,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   constexpr bool value_weighted = Scorer::token_signal == scorers::signal::value_weighted_attention;
   // Groups of at most 4 heads with bf16 values take the kernel whose output product folds the
   // probabilities' low parts into columns 4-7 (folds_low_part), unless keys are rotated one by one.
-  // Returns the launch's arguments, with its automatic chunk chosen (the mass kernel reads it), and
-  // its chunks per (sequence, KV head).
-  struct launched {
-    decode_arguments a;
-    int chunks;
-  };
+  // Returns the launch's arguments, with its automatic chunk chosen (the mass kernel reads it).
   const auto launch = [&]<bool Fold>() {
     constexpr auto kernel = detail::decode_attention_kernel<D, E, EmitMass, Records, W, Bits, FullBits, value_weighted, Fold>;
     // CTAs of this kernel the GPU holds at once, asked once per kernel (on the device current at its
@@ -2480,10 +2475,10 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
       QEVICT_CUDA_CHECK_LAUNCH("prepare_queries_kernel");
       launch_dependent("decode_attention_kernel", kernel, grid, dim3(detail::warps_per_cta * 32), smem_bytes, stream, L, a);
     }
-    return launched{a, chunks};
+    return a;
   };
   constexpr bool bf16 = E == element_type::bf16, each_key = Records == record_rotation::each_key;
-  [[maybe_unused]] const auto [a, chunks] = [&] {
+  const decode_arguments a = [&] {
     if constexpr (detail::may_fold_low_part<bf16, each_key>)
       if (detail::folds_low_part<bf16, each_key>(L.group)) return launch.template operator()<true>();
     return launch.template operator()<false>();
@@ -2491,7 +2486,7 @@ void decode_attention(const decode_layout& L, const decode_arguments& args, int 
   if constexpr (EmitMass) {
     // A launch of several chunks a (sequence, KV head) signals each merge (its grid's CTAs end
     // over its last wave); one of a single chunk ends together, and its mass kernel waits for it.
-    const bool several_chunks = chunks > 1;
+    const bool several_chunks = max_items > a.items_per_chunk;
     // One thread for every window of the longest lane (max_items items hold at most
     // max_items * 8 / W windows for W < 8).
     const int max_windows = max_items * item_count::windows_per_item(W);
