@@ -1255,16 +1255,21 @@ __device__ __forceinline__ void value_fragments(const decode_layout& L, int kind
   }
 }
 
+/// Value scale and zero of tokens (2t, 2t+1) of a record staged in format f.
+__device__ __forceinline__ void record_value_meta(const record_format& f, const std::uint8_t* s_item, int t, float2& scale,
+                                                  float2& zero) {
+  const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_scale + 4 * t);
+  const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_zero + 4 * t);
+  scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
+  zero = make_float2(__uint_as_float(z << 16), __uint_as_float(z & 0xffff0000u));
+}
+
 /// Value scale and zero of tokens (2t, 2t+1) of an item: a record's, or (1, 0) for token rows.
 template <int FullBits>
 __device__ __forceinline__ void value_meta(const decode_layout& L, int kind, const std::uint8_t* s_item, int t,
                                            float2& scale, float2& zero) {
   if (is_record<FullBits>(kind)) {
-    const record_format& f = format_of<FullBits>(L, kind);
-    const std::uint32_t s = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_scale + 4 * t);
-    const std::uint32_t z = *reinterpret_cast<const std::uint32_t*>(s_item + f.staged_value_zero + 4 * t);
-    scale = make_float2(__uint_as_float(s << 16), __uint_as_float(s & 0xffff0000u));
-    zero = make_float2(__uint_as_float(z << 16), __uint_as_float(z & 0xffff0000u));
+    record_value_meta(format_of<FullBits>(L, kind), s_item, t, scale, zero);
   } else {
     scale = make_float2(1.0f, 1.0f);
     zero = make_float2(0.0f, 0.0f);
@@ -2001,6 +2006,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       // window-relative records) let the warp keep slots::stages pairs in its stages instead of
       // two, and the loop has no branch on item kinds. Every item has its 8 tokens.
       using slots = record_slots<D, QueryPerWindow>;
+      // The launcher requires these records to be 8-token records of Bits-bit codes with bf16
+      // metadata (staged_record), so their offsets are constants rather than loads from L.
+      constexpr record_format staged = record_format::of(staged_record<D, Bits>);
       const int my_pairs = pairs_of_warp(n_record_pairs);
       constexpr int RS = slots::stages;
       // Window-relative records of a group of at most 4 heads: one query rotation per pair.
@@ -2140,14 +2148,14 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
         // The value codes' matrix loads go out before the scores, which hide their latency.
         std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
-        load_value_codes<D, Bits>(L.ledger_format, s_a, lane_id, codes_a);
-        load_value_codes<D, Bits>(L.ledger_format, s_b, lane_id, codes_b);
+        load_value_codes<D, Bits>(staged, s_a, lane_id, codes_a);
+        load_value_codes<D, Bits>(staged, s_b, lane_id, codes_b);
         __syncwarp();
         if constexpr (Transposed) {
           float sa, sb, vs_a, vz_a, vs_b, vz_b;
           score_record_pair_transposed<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
-          value_meta_of_token(L.ledger_format, s_a, g, vs_a, vz_a);
-          value_meta_of_token(L.ledger_format, s_b, g, vs_b, vz_b);
+          value_meta_of_token(staged, s_a, g, vs_a, vz_a);
+          value_meta_of_token(staged, s_b, g, vs_b, vz_b);
           absorb_transposed(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, codes_a, codes_b);
         } else {
           float sa[2], sb[2];
@@ -2163,8 +2171,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
             score_record_pair<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
           }
           float2 vs_a, vz_a, vs_b, vz_b;
-          value_meta<FullBits>(L, 2, s_a, t, vs_a, vz_a);
-          value_meta<FullBits>(L, 2, s_b, t, vs_b, vz_b);
+          record_value_meta(staged, s_a, t, vs_a, vz_a);
+          record_value_meta(staged, s_b, t, vs_b, vz_b);
           absorb(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, s_a, s_b, [&](std::uint32_t (&v)[D / 16][4]) {
             value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
             value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
