@@ -2026,8 +2026,10 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         }
         warp::cp_async_commit();
       };
+      // The transposed loop scores a pair one iteration before it absorbs it, so its stages take
+      // all RS pairs; the other loop scores and absorbs a pair in the same iteration.
 #pragma unroll
-      for (int k = 0; k < RS - 1; ++k) issue(k);
+      for (int k = 0; k < (Transposed ? RS : RS - 1); ++k) issue(k);
       if (n_general_pairs == 0) load_query();  // else the general loop has loaded it
       if constexpr (Transposed) {
         // The general loop's state into the transposed loop's layout: lane (g, t) then holds head
@@ -2063,20 +2065,24 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       // each column's probabilities (p_sums, rescaled with the output), so that the output loses
       // 2^E times those sums once, after the loop.
       [[maybe_unused]] float p_sums[4] = {0.f, 0.f, 0.f, 0.f};
-      // absorb for the transposed product: sa, sb are head t's scores of token g of items li_a and
-      // li_a + 1, (vs, vz) those tokens' value scale and zero, codes their value codes.
-      [[maybe_unused]] auto absorb_transposed = [&](int li_a, float sa, float sb, float vs_a, float vz_a, float vs_b, float vz_b,
-                                                    const std::uint32_t (&codes_a)[value_pieces<D, Bits>],
-                                                    const std::uint32_t (&codes_b)[value_pieces<D, Bits>]) {
-        // Online softmax as in absorb; head t's tokens lie across the eight rows g.
-        float mx = fmaxf(sa, sb);
-        float alpha = 1.0f;
+      // A pair of the transposed product once scored: head t's scores sa, sb of token g of items
+      // li_a and li_a + 1, those tokens' value scale and zero (vs, vz), and their value codes.
+      struct scored_pair {
+        int li_a;
+        float sa, sb, vs_a, vz_a, vs_b, vz_b;
+        std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
+      };
+      // absorb for the transposed product, in two steps: rescale raises the running maximum where a
+      // score of the pair exceeds it (the one branch), accumulate adds the pair to the sums, the
+      // mass and the output. Online softmax as in absorb; head t's tokens lie across the eight rows g.
+      [[maybe_unused]] auto rescale_transposed = [&](const scored_pair& p) {
+        float mx = fmaxf(p.sa, p.sb);
         if (__any_sync(0xffffffffu, mx > m_run + rescale_margin<Bf16>)) {
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
           const float m_new = fmaxf(m_run, mx);
-          alpha = m_new == -INFINITY ? 1.0f : exp2_sfu(m_run - m_new);
+          const float alpha = m_new == -INFINITY ? 1.0f : exp2_sfu(m_run - m_new);
           m_run = m_new;
           // The lane's output columns are head t's: its own factor.
 #pragma unroll
@@ -2088,11 +2094,15 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) p_sums[e] *= alpha;
+          l_run *= alpha;
+          z_run *= alpha;
         }
+      };
+      [[maybe_unused]] auto accumulate_transposed = [&](const scored_pair& p) {
         const float m_ref = m_run == -INFINITY ? 0.0f : m_run;
-        const float pa = exp2_sfu(sa - m_ref), pb = exp2_sfu(sb - m_ref);
-        l_run = l_run * alpha + (pa + pb);
-        z_run = z_run * alpha + (pa * vz_a + pb * vz_b);
+        const float pa = exp2_sfu(p.sa - m_ref), pb = exp2_sfu(p.sb - m_ref);
+        l_run += pa + pb;
+        z_run += pa * p.vz_a + pb * p.vz_b;
         if constexpr (EmitMass) {
           // One butterfly over the rows for both items: even rows end with item a's sum, odd rows
           // with item b's.
@@ -2102,17 +2112,17 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           x += __shfl_xor_sync(0xffffffffu, x, 8);
           x += __shfl_xor_sync(0xffffffffu, x, 16);
           // Rows 0 and 1 store them (both items of a pair of records exist).
-          store_if(A.part_mass + (mass_at + (li_a + odd) * G + t), log2_sfu(x) + m_ref, g < 2 && t < G);
+          store_if(A.part_mass + (mass_at + (p.li_a + odd) * G + t), log2_sfu(x) + m_ref, g < 2 && t < G);
         }
         // Row g of each item's P (tokens x columns): columns 2t, 2t + 1 = head t's value-scaled
         // probability, high and low bf16 parts; transposed, the B fragment of P^T.
         std::uint32_t hi, lo;
-        warp::split_16<true>(pa * vs_a, pb * vs_b, hi, lo);
+        warp::split_16<true>(pa * p.vs_a, pb * p.vs_b, hi, lo);
         const std::uint32_t p_a = warp::transpose_8x8(__byte_perm(hi, lo, 0x5410));
         const std::uint32_t p_b = warp::transpose_8x8(__byte_perm(hi, lo, 0x7632));
         std::uint32_t v[D / 16][4];
-        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(codes_a, 0, v);
-        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(codes_b, 1, v);
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(p.codes_a, 0, v);
+        value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>, true>(p.codes_b, 1, v);
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) warp::mma_16<Bf16>(o[i], v[i][0], v[i][1], v[i][2], v[i][3], p_a, p_b);
         constexpr std::uint32_t ones = 0x3F803F80u;  // bf16 1.0 in both halves
@@ -2125,39 +2135,69 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         const int li = record_item(k);
         return k < my_pairs ? make_uint2(items_s[li].offset, items_s[li + 1].offset) : make_uint2(0u, 0u);
       };
-      uint2 next_offsets = record_offsets(0);
-      for (int k = 0; k < my_pairs; ++k) {
-        issue(k + RS - 1);
-        const int li_a = record_item(k);
-        const uint2 offsets = next_offsets;
-        next_offsets = record_offsets(k + 1);
-        std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
-        std::uint8_t* s_a = slots::start(slot, region + offsets.x);
-        std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
-        float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
-        float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
-        if constexpr (QueryPerWindow)
-          store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
-        warp::cp_async_wait<RS - 1>();
-        __syncwarp();
-        if constexpr (Transposed) {
+      if constexpr (Transposed) {
+        // A software pipeline: iteration k scores pair k + 1 and absorbs pair k, two chains with no
+        // dependence between them, so that each hides the other's latency. The copies of RS - 1
+        // pairs are in flight behind the pair being scored.
+        // The k-th pair, its copies issued RS - 1 groups ago: staged key metadata, value codes,
+        // scores and value metadata. `offsets` are record_offsets(k).
+        auto score_pair = [&](int k, uint2 offsets) {
+          scored_pair p;
+          p.li_a = record_item(k);
+          std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
+          std::uint8_t* s_a = slots::start(slot, region + offsets.x);
+          std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
+          warp::cp_async_wait<RS - 1>();
+          __syncwarp();
           stage_key_meta_pair<D, slots::meta>(s_a, s_b, lane_id);
-        } else {
+          // The value codes' matrix loads go out before the scores, which hide their latency.
+          load_value_codes<D, Bits>(staged, s_a, lane_id, p.codes_a);
+          load_value_codes<D, Bits>(staged, s_b, lane_id, p.codes_b);
+          __syncwarp();
+          score_record_pair_transposed<D, slots::meta>(s_a, s_b, g, t, qf, p.sa, p.sb);
+          value_meta_of_token(staged, s_a, g, p.vs_a, p.vz_a);
+          value_meta_of_token(staged, s_b, g, p.vs_b, p.vz_b);
+          return p;
+        };
+        if (my_pairs > 0) {
+          scored_pair current = score_pair(0, record_offsets(0));
+          uint2 next_offsets = record_offsets(1);
+          for (int k = 0; k + 1 < my_pairs; ++k) {
+            __syncwarp();    // every lane has read pair k's slot,
+            issue(k + RS);   // which takes pair k + RS
+            const uint2 offsets = next_offsets;
+            next_offsets = record_offsets(k + 2);
+            rescale_transposed(current);
+            const scored_pair next = score_pair(k + 1, offsets);
+            accumulate_transposed(current);
+            current = next;
+          }
+          rescale_transposed(current);
+          accumulate_transposed(current);
+        }
+      } else {
+        uint2 next_offsets = record_offsets(0);
+        for (int k = 0; k < my_pairs; ++k) {
+          issue(k + RS - 1);
+          const int li_a = record_item(k);
+          const uint2 offsets = next_offsets;
+          next_offsets = record_offsets(k + 1);
+          std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
+          std::uint8_t* s_a = slots::start(slot, region + offsets.x);
+          std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
+          float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
+          float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
+          if constexpr (QueryPerWindow)
+            store_rotations(first_position(items_s[li_a].window), first_position(items_s[li_a + 1].window), cs_a, cs_b, true, true);
+          warp::cp_async_wait<RS - 1>();
+          __syncwarp();
           stage_key_meta<D, slots::meta>(s_a, lane_id);
           stage_key_meta<D, slots::meta>(s_b, lane_id);
-        }
-        // The value codes' matrix loads go out before the scores, which hide their latency.
-        std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
-        load_value_codes<D, Bits>(staged, s_a, lane_id, codes_a);
-        load_value_codes<D, Bits>(staged, s_b, lane_id, codes_b);
-        __syncwarp();
-        if constexpr (Transposed) {
-          float sa, sb, vs_a, vz_a, vs_b, vz_b;
-          score_record_pair_transposed<D, slots::meta>(s_a, s_b, g, t, qf, sa, sb);
-          value_meta_of_token(staged, s_a, g, vs_a, vz_a);
-          value_meta_of_token(staged, s_b, g, vs_b, vz_b);
-          absorb_transposed(li_a, sa, sb, vs_a, vz_a, vs_b, vz_b, codes_a, codes_b);
-        } else {
+          // The value codes' matrix loads go out before the scores, which hide their latency.
+          std::uint32_t codes_a[value_pieces<D, Bits>], codes_b[value_pieces<D, Bits>];
+          load_value_codes<D, Bits>(staged, s_a, lane_id, codes_a);
+          load_value_codes<D, Bits>(staged, s_b, lane_id, codes_b);
+          __syncwarp();
           float sa[2], sb[2];
           if constexpr (QueryPerWindow) {
             if (paired_rotation) {
@@ -2177,8 +2217,8 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
             value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_a, 0, v);
             value_code_fields<Bf16, Bits, D, value_pieces<D, Bits>>(codes_b, 1, v);
           });
+          __syncwarp();  // the stage is rewritten by later pairs
         }
-        __syncwarp();  // the stage is rewritten by later pairs
       }
       if constexpr (Transposed) {
         // The biases out of the output (p_sums): rows g and g + 8 of every fragment, columns 2t, 2t + 1.
