@@ -2015,14 +2015,30 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
       [[maybe_unused]] const bool paired_rotation = QueryPerWindow && G <= 4;
       // Item a of the warp's k-th pair of records (item b follows it).
       auto record_item = [&](int k) { return 2 * (record_first + warp_id + k * warps_per_cta); };
+      // The region offsets of the warp's k-th pair of records (zeros past its last pair). A pair's
+      // slots start where its records' addresses put them (record_slots::start): the loops load
+      // these offsets one pair ahead, so that the shared-memory round trip that reads them is not
+      // the head of the pair's chain (copies, slot addresses, staged metadata, scores).
+      auto record_offsets = [&](int k) {
+        const int li = record_item(k);
+        return k < my_pairs ? make_uint2(items_s[li].offset, items_s[li + 1].offset) : make_uint2(0u, 0u);
+      };
+      // Where the warp's k-th pair of records, copied from offsets.x and offsets.y of the region,
+      // starts in its stage (record_slots::start): the one place of the ring's layout.
+      struct pair_starts {
+        std::uint8_t* a;
+        std::uint8_t* b;
+      };
+      auto starts_of_pair = [&](int k, uint2 offsets) {
+        std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
+        return pair_starts{slots::start(slot, region + offsets.x), slots::start(slot + slots::bytes, region + offsets.y)};
+      };
       auto issue = [&](int k) {
         if (k < my_pairs) {
-          const int li = record_item(k);
-          std::uint8_t* slot = my_stages + (k % RS) * 2 * slots::bytes;
-          const std::uint8_t* src_a = region + items_s[li].offset;
-          const std::uint8_t* src_b = region + items_s[li + 1].offset;
-          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot, src_a), src_a, lane_id);
-          copy_record<staged_record<D, Bits>.head_bytes()>(slots::start(slot + slots::bytes, src_b), src_b, lane_id);
+          const uint2 offsets = record_offsets(k);
+          const pair_starts at = starts_of_pair(k, offsets);
+          copy_record<staged_record<D, Bits>.head_bytes()>(at.a, region + offsets.x, lane_id);
+          copy_record<staged_record<D, Bits>.head_bytes()>(at.b, region + offsets.y, lane_id);
         }
         warp::cp_async_commit();
       };
@@ -2128,13 +2144,6 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         constexpr std::uint32_t ones = 0x3F803F80u;  // bf16 1.0 in both halves
         warp::mma_16<Bf16>(p_sums, ones, ones, ones, ones, p_a, p_b);
       };
-      // A pair's slots start where its records' addresses put them (record_slots::start): their
-      // offsets are loaded one pair ahead, so that the shared-memory round trip that reads them
-      // is not the head of the pair's chain (copies, slot addresses, staged metadata, scores).
-      auto record_offsets = [&](int k) {
-        const int li = record_item(k);
-        return k < my_pairs ? make_uint2(items_s[li].offset, items_s[li + 1].offset) : make_uint2(0u, 0u);
-      };
       if constexpr (Transposed) {
         // A software pipeline: iteration k scores pair k + 1 and absorbs pair k, two chains with no
         // dependence between them, so that each hides the other's latency. The copies of RS - 1
@@ -2144,9 +2153,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
         auto score_pair = [&](int k, uint2 offsets) {
           scored_pair p;
           p.li_a = record_item(k);
-          std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
-          std::uint8_t* s_a = slots::start(slot, region + offsets.x);
-          std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
+          const pair_starts at = starts_of_pair(k, offsets);
+          std::uint8_t* const s_a = at.a;
+          std::uint8_t* const s_b = at.b;
           warp::cp_async_wait<RS - 1>();
           __syncwarp();
           stage_key_meta_pair<D, slots::meta>(s_a, s_b, lane_id);
@@ -2182,9 +2191,9 @@ __global__ void __launch_bounds__(warps_per_cta * 32, QEVICT_DECODE_MIN_BLOCKS)
           const int li_a = record_item(k);
           const uint2 offsets = next_offsets;
           next_offsets = record_offsets(k + 1);
-          std::uint8_t* const slot = my_stages + (k % RS) * 2 * slots::bytes;
-          std::uint8_t* s_a = slots::start(slot, region + offsets.x);
-          std::uint8_t* s_b = slots::start(slot + slots::bytes, region + offsets.y);
+          const pair_starts at = starts_of_pair(k, offsets);
+          std::uint8_t* const s_a = at.a;
+          std::uint8_t* const s_b = at.b;
           float2* cs_a = reinterpret_cast<float2*>(s_a + slots::cs);
           float2* cs_b = reinterpret_cast<float2*>(s_b + slots::cs);
           if constexpr (QueryPerWindow)
