@@ -508,8 +508,18 @@ class cuda_cache {
         heads = hkv;
         head0 = u * hu;
       }
-      std::vector<std::byte> block(static_cast<std::size_t>(heads) * 2 * capacity * d * eb);
-      QEVICT_CUDA_CHECK(cudaMemcpy(block.data(), region + offset, block.size(), cudaMemcpyDeviceToHost));
+      // Only the window's rows are copied, into their places in a host image of the block: the
+      // ring's other slots may hold no token yet, and the window may wrap around the ring's end.
+      const std::size_t row_bytes = static_cast<std::size_t>(capacity) * d * eb, token_bytes = static_cast<std::size_t>(d) * eb;
+      std::vector<std::byte> block(static_cast<std::size_t>(heads) * 2 * row_bytes);
+      const int first = first_slot % capacity, before_end = std::min(Wn, capacity - first);
+      const auto copy_slots = [&](int slot, int n) {
+        const std::size_t at = static_cast<std::size_t>(2 * head0) * row_bytes + static_cast<std::size_t>(slot) * token_bytes;
+        QEVICT_CUDA_CHECK(cudaMemcpy2D(block.data() + at, row_bytes, region + offset + at, row_bytes, n * token_bytes,
+                                       static_cast<std::size_t>(2 * hu), cudaMemcpyDeviceToHost));
+      };
+      copy_slots(first, before_end);
+      if (before_end < Wn) copy_slots(0, Wn - before_end);
       for (int j = 0; j < Wn; ++j) {
         const int slot = (first_slot + j) % capacity;
         for (int hl = 0; hl < hu; ++hl) {
