@@ -510,12 +510,13 @@ class cuda_cache {
       }
       // Only the window's rows are copied, into their places in a host image of the block: the
       // ring's other slots may hold no token yet, and the window may wrap around the ring's end.
-      const std::size_t row_bytes = static_cast<std::size_t>(capacity) * d * eb, token_bytes = static_cast<std::size_t>(d) * eb;
+      // A row is one head's keys or values: `capacity` slots of slot_bytes.
+      const std::size_t slot_bytes = static_cast<std::size_t>(d) * eb, row_bytes = capacity * slot_bytes;
       std::vector<std::byte> block(static_cast<std::size_t>(heads) * 2 * row_bytes);
       const int first = first_slot % capacity, before_end = std::min(Wn, capacity - first);
       const auto copy_slots = [&](int slot, int n) {
-        const std::size_t at = static_cast<std::size_t>(2 * head0) * row_bytes + static_cast<std::size_t>(slot) * token_bytes;
-        QEVICT_CUDA_CHECK(cudaMemcpy2D(block.data() + at, row_bytes, region + offset + at, row_bytes, n * token_bytes,
+        const std::size_t at = static_cast<std::size_t>(2 * head0) * row_bytes + slot * slot_bytes;
+        QEVICT_CUDA_CHECK(cudaMemcpy2D(block.data() + at, row_bytes, region + offset + at, row_bytes, n * slot_bytes,
                                        static_cast<std::size_t>(2 * hu), cudaMemcpyDeviceToHost));
       };
       copy_slots(first, before_end);
