@@ -221,21 +221,48 @@ struct twin {
         const int tokens = host.tokens(s, l);
         // Window table without scores (one entry per window and routing unit).
         const auto ht = host_table(s, l);
-        const int entries = host.windows(s, l).size();
+        const std::vector<qevict::window_info> windows = host.windows(s, l);
+        const int entries = static_cast<int>(windows.size());
         const std::vector<std::byte> table = device_bytes(base, static_cast<std::size_t>(entries) * sizeof(qevict::window_record));
         const auto* dt = reinterpret_cast<const qevict::window_record*>(table.data());
         for (int e = 0; e < entries; ++e) {
           compared += 8;
           diff += (ht[e].full_slot != dt[e].full_slot) + (ht[e].ledger_slot != dt[e].ledger_slot);
         }
-        // Sinks and the recent ring (only slots that hold tokens), Full and ledger slots in use.
+        // Sinks, the recent ring's tokens not routed yet, Full and ledger slots in use.
         auto cmp = [&](std::size_t off, std::size_t n) {
           compared += n;
           const std::vector<std::byte> d = device_bytes(base + off, n);
           for (std::size_t i = 0; i < n; ++i) diff += host_base[base + off + i] != d[i];
         };
         if (tokens >= p.sinks) cmp(p.sink_offset, p.sink_bytes());
-        if (tokens >= p.sinks + p.recent_capacity) cmp(p.recent_offset, p.recent_bytes());
+        if (tokens >= p.sinks + p.recent_capacity) {
+          // The ring is 2 x kv_heads rows (keys and values of each head) of recent_capacity slots;
+          // token t (after the sinks) sits in slot t % recent_capacity. Only the slots of tokens
+          // past the aged windows are compared: a slot of a routed token may never have been
+          // written (a prefill stores the tokens it routes straight into their windows).
+          int aged = 0;
+          for (const qevict::window_info& w : windows)
+            if (w.where != qevict::tier::recent) aged = std::max(aged, w.index + 1);
+          const int rows = 2 * g.kv_heads, capacity = p.recent_capacity;
+          const int first = aged * p.window, live = tokens - p.sinks - first;
+          const std::size_t slot_bytes = p.token_bytes / rows, row_bytes = capacity * slot_bytes;
+          auto cmp_slots = [&](int slot, int n) {
+            const std::size_t run = n * slot_bytes, at = base + p.recent_offset + slot * slot_bytes;
+            std::vector<std::byte> d(rows * run);
+            QEVICT_CUDA_CHECK(cudaMemcpy2D(d.data(), run, dev_arena.ptr + at, row_bytes, run, rows, cudaMemcpyDeviceToHost));
+            compared += d.size();
+            for (int r = 0; r < rows; ++r)
+              for (std::size_t i = 0; i < run; ++i) diff += host_base[at + r * row_bytes + i] != d[r * run + i];
+          };
+          CHECK_MESSAGE(live <= capacity, "sequence " << s << " layer " << l << ": " << live << " tokens not routed yet, "
+                                                      << "more than the recent ring's " << capacity << " slots");
+          if (live > 0 && live <= capacity) {
+            const int start = first % capacity, before_end = std::min(live, capacity - start);
+            cmp_slots(start, before_end);
+            if (before_end < live) cmp_slots(0, live - before_end);
+          }
+        }
         for (int e = 0; e < entries; ++e) {
           if (ht[e].full_slot >= 0) cmp(p.full_offset + ht[e].full_slot * p.full_window_bytes, p.full_window_bytes);
           if (ht[e].ledger_slot >= 0)
