@@ -11,7 +11,9 @@
 //     scores are that close could rank differently; to compare routing itself on identical inputs,
 //     the device's scores are copied into the host cache before each event (the score error is
 //     checked just before);
-//   - the arenas, byte for byte, at the end (scores aside): token rows, Full windows, ledger codes.
+//   - the arenas, byte for byte, at the end (scores aside): the sinks, the recent ring's tokens
+//     not routed yet, the Full windows and ledger records in use (bytes the cache never wrote,
+//     such as ring slots of tokens a prefill routed straight into their windows, are not compared).
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #pragma once
