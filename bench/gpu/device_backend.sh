@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the CUDA backend: its GPU test against the host backend (quick
 # set first; the rest only if that passes), the routing-cost benchmark, then compute-sanitizer
-# memcheck, racecheck, initcheck and synccheck on the quick set. Logs in $OUT.
+# memcheck, racecheck, initcheck and synccheck on the quick set (bench/gpu/sanitize.sh). Logs
+# in $OUT.
 #   BIN:     prebuilt binaries (test_cuda_backend, routing_cost); rebuilt here with nvcc if they
 #            do not start on this machine
 #   INC:     include tree to build against (default include/); DOCTEST_INCLUDE: doctest's folder
@@ -31,13 +32,10 @@ echo "routing_cost rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$sum"
 t0=$(date +%s)
 timeout "${FULL_TIMEOUT:-150}" "$bin/test_cuda_backend" > "$out/test_full.log" 2>&1
 echo "full test rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$sum"
-for tool in memcheck racecheck initcheck synccheck; do
-  t0=$(date +%s)
-  QEVICT_GPU_QUICK=1 timeout "${SAN_TIMEOUT:-100}" compute-sanitizer --tool $tool --error-exitcode 9 \
-    "$bin/test_cuda_backend" -tc="CUDA backend matches*,*NaN*" > "$out/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$sum"
-  tail -4 "$out/sanitizer_$tool.log"
-done
+# The four tools over the reduced set, by the sweep script (a line a tool in $out/sanitize.txt).
+BIN="$bin" PROGRAMS=test_cuda_backend LIMIT="${SAN_TIMEOUT:-100}" OUT="$out" bash "$(dirname "$0")/sanitize.sh"
+echo "compute-sanitizer sweep rc=$?" | tee -a "$sum"
+cat "$out/sanitize.txt" >> "$sum"
 grep -h "MESSAGE\|d=\|test cases\|assertions\|ERROR\|error" "$out/test_full.log" | tail -30
 cat "$out/routing_cost.md"
 cat "$sum"
