@@ -207,15 +207,18 @@ struct twin {
 
   /// Byte-for-byte arena comparison (scores aside); returns differing bytes.
   std::size_t arena_differences(const std::vector<qevict::sequence_id>& seqs, std::size_t& compared) {
-    // Only the compared ranges are read back: the rest of the arena may never have been written
-    // (compute-sanitizer initcheck reports a copy of such bytes).
-    const auto device_bytes = [&](std::size_t off, std::size_t n) {
-      std::vector<std::byte> b(n);
-      QEVICT_CUDA_CHECK(cudaMemcpy(b.data(), dev_arena.ptr + off, n, cudaMemcpyDeviceToHost));
-      return b;
-    };
     std::size_t diff = 0;
     compared = 0;
+    // Compares `rows` runs of `run` bytes, `pitch` apart from arena offset `at`. Only the compared
+    // ranges are read back: the rest of the arena may never have been written (compute-sanitizer
+    // initcheck reports a copy of such bytes).
+    const auto compare_rows = [&](std::size_t at, std::size_t run, int rows, std::size_t pitch) {
+      std::vector<std::byte> d(rows * run);
+      QEVICT_CUDA_CHECK(cudaMemcpy2D(d.data(), run, dev_arena.ptr + at, pitch, run, rows, cudaMemcpyDeviceToHost));
+      compared += d.size();
+      for (int r = 0; r < rows; ++r)
+        for (std::size_t i = 0; i < run; ++i) diff += host_base[at + r * pitch + i] != d[r * run + i];
+    };
     for (qevict::sequence_id s : seqs)
       for (int l = 0; l < g.layers; ++l) {
         const qevict::region_plan& p = host.plan(l);
@@ -225,18 +228,13 @@ struct twin {
         const auto ht = host_table(s, l);
         const std::vector<qevict::window_info> windows = host.windows(s, l);
         const int entries = static_cast<int>(windows.size());
-        const std::vector<std::byte> table = device_bytes(base, static_cast<std::size_t>(entries) * sizeof(qevict::window_record));
-        const auto* dt = reinterpret_cast<const qevict::window_record*>(table.data());
+        const auto dt = device_table(s, l);
         for (int e = 0; e < entries; ++e) {
           compared += 8;
           diff += (ht[e].full_slot != dt[e].full_slot) + (ht[e].ledger_slot != dt[e].ledger_slot);
         }
         // Sinks, the recent ring's tokens not routed yet, Full and ledger slots in use.
-        auto cmp = [&](std::size_t off, std::size_t n) {
-          compared += n;
-          const std::vector<std::byte> d = device_bytes(base + off, n);
-          for (std::size_t i = 0; i < n; ++i) diff += host_base[base + off + i] != d[i];
-        };
+        auto cmp = [&](std::size_t off, std::size_t n) { compare_rows(base + off, n, 1, n); };
         if (tokens >= p.sinks) cmp(p.sink_offset, p.sink_bytes());
         if (tokens >= p.sinks + p.recent_capacity) {
           // The ring is 2 x kv_heads rows (keys and values of each head) of recent_capacity slots;
@@ -250,12 +248,7 @@ struct twin {
           const int first = aged * p.window, live = tokens - p.sinks - first;
           const std::size_t slot_bytes = p.token_bytes / rows, row_bytes = capacity * slot_bytes;
           auto cmp_slots = [&](int slot, int n) {
-            const std::size_t run = n * slot_bytes, at = base + p.recent_offset + slot * slot_bytes;
-            std::vector<std::byte> d(rows * run);
-            QEVICT_CUDA_CHECK(cudaMemcpy2D(d.data(), run, dev_arena.ptr + at, row_bytes, run, rows, cudaMemcpyDeviceToHost));
-            compared += d.size();
-            for (int r = 0; r < rows; ++r)
-              for (std::size_t i = 0; i < run; ++i) diff += host_base[at + r * row_bytes + i] != d[r * run + i];
+            compare_rows(base + p.recent_offset + slot * slot_bytes, n * slot_bytes, rows, row_bytes);
           };
           CHECK_MESSAGE(live <= capacity, "sequence " << s << " layer " << l << ": " << live << " tokens not routed yet, "
                                                       << "more than the recent ring's " << capacity << " slots");
