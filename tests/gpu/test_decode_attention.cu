@@ -362,7 +362,9 @@ TEST_CASE("decode attention with scores spread over many powers of two") {
   // reference maximum is raised past the rescale margin at later items, not only the first pair,
   // and most probabilities underflow. With keys after RoPE or window-relative, groups of 1, 2 and 4
   // heads take the output product whose columns 4-7 hold the probabilities' low parts
-  // (folds_low_part); 8 heads, and keys rotated one by one, the one without.
+  // (folds_low_part); 8 heads, and keys rotated one by one, the one without. With keys after RoPE
+  // also in chunks of 128 items, where a warp's run of pairs of records is up to 16 pairs long
+  // (4 in the default chunks of 32): the maximum is then raised far into the transposed loop.
   unsigned seed = 9700;
   for (float scale : {6.0f, 12.0f})
     for (int group : {1, 2, 4, 8}) {
@@ -373,5 +375,7 @@ TEST_CASE("decode attention with scores spread over many powers of two") {
       run_case(spec, seed++);
       run_case<cfg_post_rope>(spec, seed++);
       run_case<cfg_window_relative>(spec, seed++);
+      spec.items_per_chunk = 128;
+      run_case<cfg_post_rope>(spec, seed++);
     }
 }
