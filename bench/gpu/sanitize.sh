@@ -33,8 +33,12 @@ fi
 export QEVICT_GPU_QUICK=1
 status=0
 
-# The verdict on one run from its exit status and log; raises status as the verdict requires.
-# Verdicts in order of weight: failed (1) > inconclusive (2) > clean (0).
+# Outcomes in order of weight: failed (1) > inconclusive (2) > clean (0). The heavier of two:
+heavier() {
+  if [ "$1" -eq 1 ] || [ "$2" -eq 1 ]; then echo 1; elif [ "$1" -eq 2 ] || [ "$2" -eq 2 ]; then echo 2; else echo 0; fi
+}
+
+# The verdict on one run from its exit status and log, and its outcome.
 verdict_of() {
   local rc=$1 log=$2
   # compute-sanitizer exits 255 when the program ends before its first CUDA call: if the
@@ -43,12 +47,12 @@ verdict_of() {
     rc=nothing
   fi
   case $rc in
-    0) verdict="clean" ;;
-    nothing) verdict="nothing to check: the program passed without a CUDA call"; [ $status -eq 0 ] && status=2 ;;
-    9) verdict="ERRORS"; status=1 ;;
-    124) verdict="reached the ${limit} s limit: inconclusive"; [ $status -eq 0 ] && status=2 ;;
-    77) verdict="skipped: the program found no CUDA device"; [ $status -eq 0 ] && status=2 ;;
-    *) verdict="FAILED (exit $rc)"; status=1 ;;
+    0) verdict="clean"; outcome=0 ;;
+    nothing) verdict="nothing to check: the program passed without a CUDA call"; outcome=2 ;;
+    9) verdict="ERRORS"; outcome=1 ;;
+    124) verdict="reached the ${limit} s limit: inconclusive"; outcome=2 ;;
+    77) verdict="skipped: the program found no CUDA device"; outcome=2 ;;
+    *) verdict="FAILED (exit $rc)"; outcome=1 ;;
   esac
 }
 
@@ -79,6 +83,7 @@ for prog in $programs; do
       log="$out/${tool}_$prog.log"
       timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$prog" "${filter[@]}" > "$log" 2>&1
       verdict_of $? "$log"
+      status=$(heavier $status $outcome)
       report "$tool $prog" "$log" $(( $(date +%s) - t0 ))
       continue
     fi
@@ -92,26 +97,25 @@ for prog in $programs; do
         echo "$? $(( $(date +%s) - s ))" > "$log.rc" ) &
     done
     wait
-    program_status=$status
-    status=0
+    heaviest=0
     for i in "${!cases[@]}"; do
       log="$out/${tool}_${prog}_case$((i + 1)).log"
-      read -r rc seconds < "$log.rc"
+      read -r rc seconds < "$log.rc" && rm -f "$log.rc"
       verdict_of "$rc" "$log"
       # A case's filter that matched no case ran nothing: that is no check.
-      if grep -q 'test cases: 0 ' "$log" && [ "$verdict" = clean ]; then
-        verdict="FAILED (the filter matched no test case)"; status=1
+      if grep -q 'test cases: 0 ' "$log" && [ $outcome -eq 0 ]; then
+        verdict="FAILED (the filter matched no test case)"; outcome=1
       fi
+      status=$(heavier $status $outcome)
+      heaviest=$(heavier $heaviest $outcome)
       report "  $tool $prog [case $((i + 1))/${#cases[@]}: ${cases[$i]}]" "$log" "$seconds"
     done
-    [ $status -eq 1 ] || [ $program_status -eq 1 ] && worst=1 || worst=$(( status > program_status ? status : program_status ))
-    case $status in
+    case $heaviest in
       0) verdict="clean in every case" ;;
       1) verdict="ERRORS or FAILED in a case (above)" ;;
       *) verdict="inconclusive in a case (above)" ;;
     esac
     echo "$tool $prog: $verdict (${#cases[@]} cases, $jobs at once, $(( $(date +%s) - t0 )) s)" | tee -a "$sum"
-    status=$worst
   done
 done
 exit $status

@@ -97,6 +97,8 @@ lines 3 "reached the 1 s limit: inconclusive"
 has "memcheck test_stand_in: inconclusive in a case (above)"
 sanitize 1 PROGRAMS="test_stand_in test_missing" TOOLS=memcheck LIMIT=1 STAND_IN_SLEEP=5
 has "test_missing: not found in"
+sanitize 1 PROGRAMS="test_missing test_stand_in" TOOLS=memcheck LIMIT=1 JOBS=2 STAND_IN_SLEEP=5
+has "memcheck test_stand_in: inconclusive in a case (above)"
 
 # Without a GPU the program lists no case and runs as one process: skipped, inconclusive.
 sanitize 2 PROGRAMS=test_stand_in TOOLS=memcheck JOBS=3 STAND_IN_NO_DEVICE=1
