@@ -14,7 +14,8 @@ mkdir -p "$work/bin"
 ln -s "$program" "$work/bin/test_stand_in"
 ln -s "$program" "$work/bin/test_cuda_backend"
 export PATH="$root/tests/scripts/stand_in:$PATH" BIN="$work/bin"
-unset STAND_IN_NO_DEVICE STAND_IN_FAIL STAND_IN_SLEEP STAND_IN_LOG STAND_IN_TOOL_ERRORS STAND_IN_NO_CUDA_CALL JOBS LIMIT
+unset STAND_IN_NO_DEVICE STAND_IN_FAIL STAND_IN_SLEEP STAND_IN_LOG STAND_IN_RUNNING STAND_IN_TOOL_ERRORS STAND_IN_NO_CUDA_CALL
+unset PROGRAMS TOOLS JOBS LIMIT
 
 failures=0
 run=0
