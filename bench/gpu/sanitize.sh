@@ -64,6 +64,12 @@ report() {
   echo "$label: $verdict ($seconds s) ${cases:+| $cases }${summary:+| $summary}" | tee -a "$sum"
 }
 
+# The tool over the program (its filter and the arguments given) into the log; its exit status.
+run_tool() {
+  local log=$1; shift
+  timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$prog" "$@" "${filter[@]}" > "$log" 2>&1
+}
+
 # The program's test case names (after the filter), one a line; none where it lists none (no GPU).
 list_cases() {
   "$bin/$1" --list-test-cases "${filter[@]}" 2> /dev/null | sed -n '/^=====/,/^=====/p' | sed '1d;$d'
@@ -81,7 +87,7 @@ for prog in $programs; do
     t0=$(date +%s)
     if [ ${#cases[@]} -le 1 ]; then
       log="$out/${tool}_$prog.log"
-      timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$prog" "${filter[@]}" > "$log" 2>&1
+      run_tool "$log"
       verdict_of $? "$log"
       status=$(heavier $status $outcome)
       report "$tool $prog" "$log" $(( $(date +%s) - t0 ))
@@ -92,8 +98,7 @@ for prog in $programs; do
       while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
       log="$out/${tool}_${prog}_case$((i + 1)).log"
       ( s=$(date +%s)
-        timeout -k 10 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$prog" \
-          -tc="${cases[$i]//,/?}" "${filter[@]}" > "$log" 2>&1
+        run_tool "$log" -tc="${cases[$i]//,/?}"
         echo "$? $(( $(date +%s) - s ))" > "$log.rc" ) &
     done
     wait

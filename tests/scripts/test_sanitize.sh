@@ -19,6 +19,12 @@ unset PROGRAMS TOOLS JOBS LIMIT
 
 failures=0
 run=0
+# fail <message> [file]: one failed check, with the file shown beneath it.
+fail() {
+  echo "FAIL run $run: $1"
+  [ -n "${2:-}" ] && sed 's/^/    /' "$2" 2> /dev/null
+  failures=$((failures + 1))
+}
 # sanitize <expected exit> [VAR=value ...]: runs the script with the settings into a fresh $OUT.
 sanitize() {
   local expected=$1; shift
@@ -26,24 +32,16 @@ sanitize() {
   out="$work/out$run"
   env OUT="$out" "$@" bash "$script" > "$work/stdout$run" 2>&1
   local rc=$?
-  if [ $rc -ne "$expected" ]; then
-    echo "FAIL run $run ($*): exit $rc, expected $expected"; sed 's/^/    /' "$work/stdout$run"; failures=$((failures + 1))
-  fi
+  [ $rc -eq "$expected" ] || fail "($*): exit $rc, expected $expected" "$work/stdout$run"
 }
 # has <fixed text>: a line of the last run's sanitize.txt holds it.
 has() {
-  if ! grep -qF -- "$1" "$out/sanitize.txt" 2> /dev/null; then
-    echo "FAIL run $run: no line with '$1' in sanitize.txt:"; sed 's/^/    /' "$out/sanitize.txt" 2> /dev/null
-    failures=$((failures + 1))
-  fi
+  grep -qF -- "$1" "$out/sanitize.txt" 2> /dev/null || fail "no line with '$1' in sanitize.txt:" "$out/sanitize.txt"
 }
 # lines <count> <fixed text>: that many lines of the last run's sanitize.txt hold it.
 lines() {
   local n; n=$(grep -cF -- "$2" "$out/sanitize.txt" 2> /dev/null)
-  if [ "${n:-0}" -ne "$1" ]; then
-    echo "FAIL run $run: $n lines with '$2' in sanitize.txt, expected $1:"; sed 's/^/    /' "$out/sanitize.txt" 2> /dev/null
-    failures=$((failures + 1))
-  fi
+  [ "${n:-0}" -eq "$1" ] || fail "$n lines with '$2' in sanitize.txt, expected $1:" "$out/sanitize.txt"
 }
 
 # Clean, one process a program: every case runs; under test_cuda_backend's name all but one.
@@ -62,14 +60,14 @@ has "memcheck test_stand_in [case 1/3: a case whose name has commas, brackets [x
 has "racecheck test_stand_in: clean in every case (3 cases, 2 at once"
 has "memcheck test_cuda_backend: clean in every case (2 cases, 2 at once"
 for name in commas plain; do
-  [ "$(grep -cx "$name" "$work/ran")" -eq 4 ] || { echo "FAIL run $run: case '$name' ran $(grep -cx "$name" "$work/ran") times, expected 4"; failures=$((failures + 1)); }
+  [ "$(grep -cx "$name" "$work/ran")" -eq 4 ] || fail "case '$name' ran $(grep -cx "$name" "$work/ran") times, expected 4"
 done
-[ "$(grep -cx memory "$work/ran")" -eq 2 ] || { echo "FAIL run $run: the out-of-memory case ran $(grep -cx memory "$work/ran") times, expected 2"; failures=$((failures + 1)); }
+[ "$(grep -cx memory "$work/ran")" -eq 2 ] || fail "the out-of-memory case ran $(grep -cx memory "$work/ran") times, expected 2"
 
 # At most JOBS processes at once (each case, as it starts, counts the cases running beside it).
 sanitize 0 PROGRAMS=test_stand_in TOOLS="memcheck racecheck initcheck" JOBS=2 STAND_IN_SLEEP=0.5 STAND_IN_RUNNING="$work/running"
 most=$(sort -n "$work/running.counts" | tail -1)
-[ "$(wc -l < "$work/running.counts")" -eq 9 ] && [ "$most" -le 2 ] || { echo "FAIL run $run: $(wc -l < "$work/running.counts") cases started, at most $most at once; expected 9, at most 2"; failures=$((failures + 1)); }
+[ "$(wc -l < "$work/running.counts")" -eq 9 ] && [ "$most" -le 2 ] || fail "$(wc -l < "$work/running.counts") cases started, at most $most at once; expected 9, at most 2"
 
 # A failed case fails the run, in either mode; under test_cuda_backend's name that case is left out.
 sanitize 1 PROGRAMS="test_stand_in" TOOLS=memcheck STAND_IN_FAIL=plain
@@ -113,9 +111,9 @@ has "memcheck test_stand_in: FAILED (exit 255)"
 
 # Bad settings are refused by name.
 sanitize 1 JOBS=0
-grep -q "JOBS must be a positive whole number, not '0'" "$work/stdout$run" || { echo "FAIL run $run: JOBS=0 not refused by name"; failures=$((failures + 1)); }
+grep -q "JOBS must be a positive whole number, not '0'" "$work/stdout$run" || fail "JOBS=0 not refused by name"
 sanitize 1 JOBS=two
-grep -q "JOBS must be a positive whole number, not 'two'" "$work/stdout$run" || { echo "FAIL run $run: JOBS=two not refused by name"; failures=$((failures + 1)); }
+grep -q "JOBS must be a positive whole number, not 'two'" "$work/stdout$run" || fail "JOBS=two not refused by name"
 
 echo "$run runs of sanitize.sh, $failures failed checks"
 [ $failures -eq 0 ]
