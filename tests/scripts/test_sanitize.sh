@@ -38,15 +38,20 @@ sanitize() {
 has() {
   grep -qF -- "$1" "$out/sanitize.txt" 2> /dev/null || fail "no line with '$1' in sanitize.txt:" "$out/sanitize.txt"
 }
+# count <grep option> <pattern> <file>: how many lines of the file match (0 if there is no file).
+count() {
+  local n; n=$(grep -c "$1" -- "$2" "$3" 2> /dev/null)
+  echo "${n:-0}"
+}
 # ran <count> <case>: the stand-in's log ($work/ran) holds that case that many times.
 ran() {
-  local n; n=$(grep -cx -- "$2" "$work/ran")
+  local n; n=$(count -x "$2" "$work/ran")
   [ "$n" -eq "$1" ] || fail "case '$2' ran $n times, expected $1"
 }
 # lines <count> <fixed text>: that many lines of the last run's sanitize.txt hold it.
 lines() {
-  local n; n=$(grep -cF -- "$2" "$out/sanitize.txt" 2> /dev/null)
-  [ "${n:-0}" -eq "$1" ] || fail "$n lines with '$2' in sanitize.txt, expected $1:" "$out/sanitize.txt"
+  local n; n=$(count -F "$2" "$out/sanitize.txt")
+  [ "$n" -eq "$1" ] || fail "$n lines with '$2' in sanitize.txt, expected $1:" "$out/sanitize.txt"
 }
 
 # Clean, one process a program: every case runs; under test_cuda_backend's name all but one.
