@@ -32,16 +32,16 @@ void print_table(const qevict::geometry& g, const qevict::limits& lim, double fr
   const std::vector<qevict::presets::matched_budget> rows = qevict::presets::match_budgets(g, b, lim);
   std::printf("\n%.0f%% of a %d-token layer cache (%zu B uncompressed):\n", 100.0 * fraction, lim.max_tokens,
               static_cast<std::size_t>(lim.max_tokens) * g.token_bytes());
-  std::printf("  %-18s %-4s %10s %10s %7s %7s %6s\n", "preset", "fits", "budget B", "reserved B", "K_f", "K_q", "units");
+  std::printf("  %-22s %-4s %10s %10s %7s %7s %6s\n", "preset", "fits", "budget B", "reserved B", "K_f", "K_q", "units");
   for (const qevict::presets::matched_budget& m : rows) {
     if (m.fits) {
-      std::printf("  %-18s %-4s %10zu %10zu %7zu %7zu %6zu\n", m.name.c_str(), "yes", m.budget_bytes, m.reserved_bytes,
+      std::printf("  %-22s %-4s %10zu %10zu %7zu %7zu %6zu\n", m.name.c_str(), "yes", m.budget_bytes, m.reserved_bytes,
                   m.caps.full, m.caps.quantized, m.units);
     } else {
       // The reason ends with the bytes the preset would need.
       const std::size_t at = m.why_not.find("needs at least");
       const std::string reason = at == std::string::npos ? m.why_not : m.why_not.substr(at);
-      std::printf("  %-18s %-4s %s\n", m.name.c_str(), "no", reason.c_str());
+      std::printf("  %-22s %-4s %s\n", m.name.c_str(), "no", reason.c_str());
     }
   }
 }
@@ -97,7 +97,7 @@ void run(const qevict::geometry& g, const qevict::budget& b, const qevict::limit
   }
   const qevict::tier_counts c = kv.counts(s, 0);
   const qevict::layer_report lr = kv.report().layers[0];
-  std::printf("  %-18s %5zu %5zu %5zu  | %5zu %5zu %5zu %5zu  %8zu / %8zu B%s\n", Preset::name, after_prefill.full,
+  std::printf("  %-22s %5zu %5zu %5zu  | %5zu %5zu %5zu %5zu  %8zu / %8zu B%s\n", Preset::name, after_prefill.full,
               after_prefill.quantized, after_prefill.evicted, c.full, c.quantized, c.evicted, c.recent_tokens,
               lr.used.total(), lr.budget_bytes, kv.plan().units > 1 ? "  (units: window x KV head)" : "");
 }
@@ -114,15 +114,15 @@ int main() {
   const qevict::budget b = qevict::budget::fraction(0.20);
   std::printf("\n512-token prompt + 128 decode steps at 20%% of a %d-token cache; counts in routing units\n",
               run_limits.max_tokens);
-  std::printf("  %-18s %5s %5s %5s  | %5s %5s %5s %5s  %s\n", "preset", "full", "quant", "evict", "full", "quant", "evict",
+  std::printf("  %-22s %5s %5s %5s  | %5s %5s %5s %5s  %s\n", "preset", "full", "quant", "evict", "full", "quant", "evict",
               "recent", "held / budget");
-  std::printf("  %-18s %-17s  | %s\n", "", "after prefill", "after decode");
+  std::printf("  %-22s %-17s  | %s\n", "", "after prefill", "after decode");
   const std::vector<qevict::presets::matched_budget> rows = qevict::presets::match_budgets(g, b, run_limits);
   std::size_t i = 0;
   qevict::presets::for_each([&]<class Preset>(std::string_view name) {
     const qevict::presets::matched_budget& m = rows[i++];
     if (m.fits) run<Preset>(g, b, run_limits);
-    else std::printf("  %-18s does not fit this budget\n", std::string(name).c_str());
+    else std::printf("  %-22s does not fit this budget\n", std::string(name).c_str());
   });
   return 0;
 }
