@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -130,7 +131,7 @@ class cache {
     const std::size_t columns = static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim;
     detail::require(hidden > 0, [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
     check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
-    check_finite("set_output_projection", "w_o", w_o);
+    check_input("set_output_projection", "w_o", w_o);
     if constexpr (requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
       engine_.set_output_projection(layer, w_o.data(), hidden);
     } else {
@@ -142,6 +143,12 @@ class cache {
   /// Starts a sequence whose first token sits at `first_position`.
   sequence_id add_sequence(long long first_position = 0) {
     detail::require(first_position >= 0, [&] { return "add_sequence: first_position must be >= 0"; });
+    // Positions are first_position + token index, as long long.
+    const long long room = std::numeric_limits<long long>::max() - engine_.plan().max_tokens;
+    detail::require(first_position <= room, [&] {
+      return "add_sequence: first_position " + std::to_string(first_position) + " leaves no room for limits::max_tokens = " +
+             std::to_string(engine_.plan().max_tokens) + " positions (at most " + std::to_string(room) + ")";
+    });
     return engine_.add_sequence(first_position);
   }
   /// Frees a sequence's slot; the other sequences are untouched.
@@ -196,9 +203,9 @@ class cache {
              " tokens exceeds limits::max_tokens = " + std::to_string(engine_.plan().max_tokens);
     });
     if constexpr (!inputs_on_device) {
-      check_finite(call, "q", q);
-      check_finite(call, "k", k);
-      check_finite(call, "v", v);
+      check_input(call, "q", q);
+      check_input(call, "k", k, kv_limit());
+      check_input(call, "v", v, kv_limit());
     }
     engine_.prefill(layer, s, q.data(), static_cast<int>(q.size() / qrow), k.data(), v.data(),
                     out.empty() ? nullptr : out.data(), static_cast<int>(n));
@@ -241,8 +248,8 @@ class cache {
     if constexpr (inputs_on_device) {
       engine_.append_batch(layer, seqs, k.data(), v.data());
     } else {
-      check_finite(call, "k", k);
-      check_finite(call, "v", v);
+      check_input(call, "k", k, kv_limit());
+      check_input(call, "v", v, kv_limit());
       for (std::size_t b = 0; b < seqs.size(); ++b)
         engine_.append(layer, seqs[b], k.data() + b * kv_row(), v.data() + b * kv_row());
     }
@@ -269,7 +276,7 @@ class cache {
                     "qevict::cache::attend: per-token observers need the host backend");
       engine_.attend_batch(layer, seqs, q.data(), out.data());
     } else {
-      check_finite(call, "q", q);
+      check_input(call, "q", q);
       for (std::size_t b = 0; b < seqs.size(); ++b)
         engine_.attend(layer, seqs[b], static_cast<int>(b), q.data() + b * q_row(), out.data() + b * q_row(), observe);
     }
@@ -388,13 +395,16 @@ class cache {
              std::to_string(want);
     });
   }
-  static void check_finite(const char* call, const char* what, std::span<const float> x) {
+  /// Every element of x a number of magnitude at most `limit` (by default: finite).
+  void check_input(const char* call, const char* what, std::span<const float> x,
+                   float limit = numeric::largest_float) const {
     for (std::size_t i = 0; i < x.size(); ++i)
-      detail::require(numeric::is_finite(x[i]), [&] {
-        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] is " +
-               (x[i] != x[i] ? "NaN" : "infinite") + "; the cache is unchanged";
+      detail::require(numeric::within(x[i], limit), [&] {
+        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] " +
+               numeric::input_problem(x[i], limit, engine_.geo().element) + "; the cache is unchanged";
       });
   }
+  float kv_limit() const { return numeric::largest_kv_magnitude(engine_.geo().element); }
 
   engine_type engine_;
 };

@@ -167,16 +167,18 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_fram
 
 TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
-/// scan_finite on one block, the form the attend prologue and the append kernel use.
-__global__ void scan_on_one_block(const float* x, std::size_t n, kernels::device_error* e) {
-  kernels::detail::scan_finite(x, n, e, 2, 0);
+/// scan_input on one block, the form the attend prologue and the append kernel use.
+__global__ void scan_on_one_block(const float* x, std::size_t n, float limit, kernels::device_error* e) {
+  kernels::detail::scan_input(x, n, limit, e, 2, 0);
 }
 
-TEST_CASE("CUDA backend: the finiteness scan finds one NaN or infinity wherever it is, aligned or not") {
-  // Every element of x is finite but one; the scan must record that one (its kind and index), in
-  // both forms (one block, a grid), whether x is 16-byte aligned (loads of 4 elements, and the
-  // elements past the last whole piece) or not (loads of one element), for lengths around the
-  // loads in flight, and record nothing where every element is finite.
+TEST_CASE("CUDA backend: the input scan finds one NaN, infinity or value beyond its limit wherever it is, aligned or not") {
+  // Every element of x is within the limit but one; the scan must record that one (its kind, value
+  // and index), in both forms (one block, a grid), whether x is 16-byte aligned (loads of 4
+  // elements, and the elements past the last whole piece) or not (loads of one element), for
+  // lengths around the loads in flight, and record nothing where every element is within it (the
+  // limit itself included).
+  constexpr float limit = 100.0f;
   const std::vector<std::size_t> lengths = {1, 3, 4, 5, 31, 4096, 4099, 33 * 1024 + 7, 131072};
   device_buffer<float> x(131072 + 4);
   device_buffer<kernels::device_error> e(1);
@@ -187,24 +189,26 @@ TEST_CASE("CUDA backend: the finiteness scan finds one NaN or infinity wherever 
         std::vector<std::size_t> where = {n, 0, n - 1, n / 2, n / 3 + 1};  // n: none
         if (n > 4) where.push_back(n / 4 * 4);                              // the first element past the whole pieces
         for (std::size_t bad : where)
-          for (float value : {NAN, INFINITY, -INFINITY}) {
-            if (bad == n && !(value != value)) continue;  // the all-finite case once (with the NaN)
+          for (float value : {NAN, INFINITY, -INFINITY, 100.5f, -1e30f}) {
+            if (bad == n && !(value != value)) continue;  // the all-good case once (with the NaN)
             std::vector<float> host(offset + n, 1.5f);
+            host[offset + (bad + 1) % n] = -limit;  // at the limit: accepted
             if (bad < n) host[offset + bad] = value;
             x.upload(host);
             QEVICT_CUDA_CHECK(cudaMemset(e.ptr, 0, sizeof(kernels::device_error)));
             if (form == 0)
-              scan_on_one_block<<<1, 1024>>>(x.ptr + offset, n, e.ptr);
+              scan_on_one_block<<<1, 1024>>>(x.ptr + offset, n, limit, e.ptr);
             else
-              kernels::detail::scan_finite_kernel<<<3, 256>>>(x.ptr + offset, n, e.ptr, 2, 0);
+              kernels::detail::scan_input_kernel<<<3, 256>>>(x.ptr + offset, n, limit, e.ptr, 2, 0);
             QEVICT_CUDA_CHECK(cudaDeviceSynchronize());
             const kernels::device_error got = e.download()[0];
             INFO("offset ", offset, ", n ", n, ", form ", form, ", bad ", bad, ", value ", value);
             if (bad == n) {
               CHECK(got.code == 0);
             } else {
-              CHECK(got.code == (value != value ? 1 : 2));
+              CHECK(got.code == (value != value ? 1 : std::isinf(value) ? 2 : 3));
               CHECK(got.index == static_cast<long long>(bad));
+              if (value == value) CHECK(got.value == value);
               CHECK(got.call == 2);
             }
             ++cases;
@@ -241,6 +245,19 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
   } catch (const qevict::error& err) {
     const std::string m = err.what();
     CHECK_MESSAGE(m.find("append: v[" + std::to_string(kn - 3) + "] is NaN") != std::string::npos, m);
+  }
+  CHECK(t.dev.tokens(seqs[0], 0) == tokens_before);
+  // A finite key too large for the cache's element type (numeric::largest_kv_magnitude), the same.
+  std::vector<float> big_k = k;
+  big_k[7] = -2 * numeric::largest_kv_magnitude(g.element);
+  dev_step(big_k, v, q);
+  try {
+    t.dev.check();
+    FAIL("check() did not report the key beyond the limit");
+  } catch (const qevict::error& err) {
+    const std::string m = err.what();
+    CHECK_MESSAGE(m.find("append: k[7] = ") != std::string::npos, m);
+    CHECK_MESSAGE(m.find("is beyond ±") != std::string::npos, m);
   }
   CHECK(t.dev.tokens(seqs[0], 0) == tokens_before);
   std::vector<float> bad_q = q;

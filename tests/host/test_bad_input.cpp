@@ -124,6 +124,31 @@ TEST_CASE("construction: budget too small, external storage too small or misalig
   odd.head_dim = 12;
   expect_error([&] { cache_t kv(odd, tight, lim); }, "multiple of 8");
   expect_error([] { cache_t kv(geo, tight, lim, qevict::options{.observation_window = 0}); }, "observation_window");
+  // RoPE's parameters: every one that is used must make finite frequencies.
+  odd = geo;
+  odd.rope.theta = std::numeric_limits<float>::infinity();
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "rope.theta must be positive and finite");
+  odd = geo;
+  odd.rope.llama3_factor = std::numeric_limits<float>::infinity();
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "rope.llama3_factor must be finite");
+  odd.rope.llama3_factor = 8.0f;
+  odd.rope.llama3_low_freq_factor = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "rope.llama3_low_freq_factor must be positive");
+  odd.rope.llama3_low_freq_factor = 4.0f;  // not below the high-frequency factor (4)
+  expect_error([&] { cache_t kv(odd, tight, lim); }, "rope.llama3_high_freq_factor finite and larger than it");
+  odd.rope.llama3_low_freq_factor = 1.0f;
+  CHECK_NOTHROW(cache_t(odd, tight, lim));  // Llama-3's own values
+  // Sizes at the ends of their types: refused by name, or accepted exactly.
+  expect_error([] { cache_t kv(geo, tight, qevict::limits{.max_batch = 1, .max_tokens = std::numeric_limits<int>::max()}); },
+               "limits: max_tokens (2147483647) must be at most 1073741824");
+  expect_error([] { cache_t kv(geo, qevict::budget::bytes_per_sequence_layer(std::numeric_limits<std::size_t>::max()), lim); },
+               "budget::bytes_per_sequence_layer(18446744073709551615): at most 281474976710656 bytes (2^48)");
+  const cache_t huge(geo, qevict::budget::bytes_per_sequence_layer(qevict::budget::largest_bytes), lim);
+  CHECK(huge.plan().budget_bytes == qevict::budget::largest_bytes);
+  cache_t kv(geo, tight, lim);
+  const long long last = std::numeric_limits<long long>::max() - lim.max_tokens;
+  expect_error([&] { kv.add_sequence(last + 1); }, "add_sequence: first_position 9223372036854775728 leaves no room for limits::max_tokens = 80 positions");
+  CHECK(kv.add_sequence(last) == 0);  // its last position is the largest long long
 }
 
 TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") {
@@ -155,6 +180,69 @@ TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") 
   t.a.remove_sequence(fresh);
   t.b.remove_sequence(fresh);
   t.check_unchanged();
+}
+
+TEST_CASE("append and prefill: finite keys and values too large for the cache's element type") {
+  // An f32 cache refuses keys and values beyond a quarter of float's range, and the cache is as
+  // before; queries need only be finite.
+  twin t;
+  const float limit = qevict::numeric::largest_kv_magnitude(geo.element);
+  CHECK(limit == std::numeric_limits<float>::max() / 4);
+  auto k = t.r.normals(2 * krow), v = t.r.normals(2 * krow), q = t.r.normals(2 * qrow);
+  auto big_k = k, big_v = v;
+  big_k[krow + 3] = 3e38f;
+  big_v[5] = -1e38f;
+  expect_error([&] { t.a.append(0, t.ids, big_k, v); }, "append: k[19] = 3e+38 is beyond ±8.50706e+37, the largest "
+                                                         "magnitude of a key or value that a cache of f32 elements accepts");
+  expect_error([&] { t.a.append(1, t.ids, k, big_v); }, "append: v[5] = -1e+38 is beyond ±8.50706e+37");
+  const qevict::sequence_id fresh = t.a.add_sequence();
+  REQUIRE(t.b.add_sequence() == fresh);
+  const int n = 4;
+  auto pq = t.r.normals(n * qrow), pk = t.r.normals(n * krow), pv = t.r.normals(n * krow);
+  pv[n * krow - 1] = 2 * limit;
+  std::vector<float> out(n * qrow);
+  expect_error([&] { t.a.prefill(0, fresh, pq, pk, pv, out); }, "prefill: v[63] = ");
+  CHECK(t.a.tokens(fresh, 0) == 0);
+  t.a.remove_sequence(fresh);
+  t.b.remove_sequence(fresh);
+  t.check_unchanged();
+}
+
+TEST_CASE("an f16 cache: keys and values at its limit stay finite through rotation, quantization and routing") {
+  // f16 holds ±65504. Before this check, a key of 1e5 (finite as a float) was stored as an
+  // infinity and made every later output NaN. Half the range is accepted: RoPE grows a key pair by
+  // at most √2, and the quantizers' ranges are formed in float.
+  qevict::geometry g16 = geo;
+  g16.element = qevict::element_type::f16;
+  const float limit = qevict::numeric::largest_kv_magnitude(g16.element);
+  CHECK(limit == 32752.0f);
+  cache_t kv(g16, qevict::budget::fraction(0.5), qevict::limits{.max_batch = 1, .max_tokens = 256});
+  const qevict::sequence_id s = kv.add_sequence();
+  rng r{7};
+  auto k = r.normals(krow), v = r.normals(krow), q = r.normals(qrow);
+  std::vector<float> out(qrow);
+  auto too_big = k;
+  too_big[0] = 1e5f;
+  expect_error([&] { kv.append(0, std::span(&s, 1), too_big, v); },
+               "append: k[0] = 100000 is beyond ±32752, the largest magnitude of a key or value that a cache of f16 elements accepts");
+  CHECK(kv.tokens(s, 0) == 0);
+  for (int step = 0; step < 120; ++step) {
+    k = r.normals(krow), v = r.normals(krow), q = r.normals(qrow);
+    // Every other token holds the extremes in one key pair and one value channel.
+    if (step % 2 == 0) {
+      k[0] = limit, k[4] = -limit;  // rotate_half pairs channel 0 with channel head_dim / 2
+      v[1] = -limit;
+    }
+    for (int l = 0; l < geo.layers; ++l) {
+      kv.append(l, std::span(&s, 1), k, v);
+      kv.attend(l, std::span(&s, 1), q, out);
+      for (float x : out) REQUIRE(std::isfinite(x));
+    }
+  }
+  const qevict::tier_counts c = kv.counts(s, 0);
+  CHECK(c.quantized > 0);  // the extremes went through the quantizer
+  for (int l = 0; l < geo.layers; ++l)
+    for (const auto& w : kv.windows(s, l)) CHECK(std::isfinite(w.score));
 }
 
 TEST_CASE("append and attend: shapes, positions, non-finite values, ids, layers") {

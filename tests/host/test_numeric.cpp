@@ -105,3 +105,35 @@ TEST_CASE("load/store by element type, and is_finite") {
   CHECK(!is_finite(-inf));
   CHECK(!is_finite(nan_value));
 }
+
+TEST_CASE("input limits: within, and the largest key or value magnitude of each element type") {
+  using qevict::element_type;
+  const float inf = std::numeric_limits<float>::infinity(), nan_value = std::numeric_limits<float>::quiet_NaN();
+  CHECK(within(2.0f, 2.0f));
+  CHECK(within(-2.0f, 2.0f));
+  CHECK(!within(2.5f, 2.0f));
+  CHECK(!within(nan_value, 2.0f));
+  CHECK(within(std::numeric_limits<float>::max(), largest_float));  // largest_float as the limit: finite
+  CHECK(!within(-inf, largest_float));
+  // At each type's limit, a key pair rotated to its largest (both members at the limit, rotated by
+  // 45 degrees: √2 times one) and a quantizer's range (max − min, in float) stay finite where they
+  // are stored.
+  for (element_type e : {element_type::f16, element_type::bf16, element_type::f32}) {
+    CAPTURE(qevict::to_string(e));
+    const float limit = largest_kv_magnitude(e);
+    const float rotated = static_cast<float>(std::sqrt(2.0) * limit);
+    const float range = limit - (-limit);
+    CHECK(std::isfinite(range));
+    CHECK(std::isfinite(rotated - (-rotated)));
+    if (e == element_type::f16) {
+      CHECK(f16_to_float(float_to_f16(rotated)) <= 65504.0f);
+      CHECK(f16_to_float(float_to_f16(range / 3)) <= 65504.0f);  // an INT2 scale stored as f16
+    } else {
+      CHECK(is_finite(bf16_to_float(float_to_bf16(rotated))));
+    }
+  }
+  CHECK(input_problem(nan_value, 1.0f, element_type::bf16) == "is NaN");
+  CHECK(input_problem(-inf, 1.0f, element_type::bf16) == "is infinite");
+  CHECK(input_problem(70000.0f, 32752.0f, element_type::f16) ==
+        "= 70000 is beyond ±32752, the largest magnitude of a key or value that a cache of f16 elements accepts");
+}

@@ -45,6 +45,8 @@ struct geometry {
 struct limits {
   int max_batch = 1;
   int max_tokens = 4096;
+  /// The most tokens a sequence may hold (token counts and window indices are ints).
+  static constexpr int largest_max_tokens = 1 << 30;
 };
 
 /// The byte budget of one sequence in one layer.
@@ -54,7 +56,9 @@ class budget {
 
   /// A fraction of the full-precision cache of `limits::max_tokens` tokens.
   static budget fraction(double f) { return budget{kind::fraction, f, 0}; }
-  /// An absolute number of bytes per sequence per layer.
+  /// The most bytes bytes_per_sequence_layer accepts (2^48).
+  static constexpr std::size_t largest_bytes = std::size_t{1} << 48;
+  /// An absolute number of bytes per sequence per layer, at most largest_bytes.
   static budget bytes_per_sequence_layer(std::size_t b) { return budget{kind::bytes, 0.0, b}; }
   /// Exactly enough for every window to be kept at its best tier under the configured allocator
   /// (the uncompressed reference, with the same accounting).

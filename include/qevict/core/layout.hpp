@@ -130,9 +130,21 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
                       std::to_string(g.kv_heads) + ")");
   detail::require(g.head_dim % 8 == 0, "geometry: head_dim (" + std::to_string(g.head_dim) + ") must be a multiple of 8");
   detail::require(g.head_dim <= 512, "geometry: head_dim (" + std::to_string(g.head_dim) + ") must be at most 512");
-  detail::require(g.rope.theta > 0.0f, "geometry: rope.theta must be positive");
+  detail::require(g.rope.theta > 0.0f && numeric::is_finite(g.rope.theta), "geometry: rope.theta must be positive and finite");
+  const rope_params& r = g.rope;
+  detail::require(numeric::is_finite(r.llama3_factor), "geometry: rope.llama3_factor must be finite (<= 1: no scaling)");
+  if (r.llama3_factor > 1.0f)
+    detail::require(r.llama3_low_freq_factor > 0.0f && numeric::is_finite(r.llama3_high_freq_factor) &&
+                        r.llama3_high_freq_factor > r.llama3_low_freq_factor && r.llama3_original_max_position > 0,
+                    "geometry: with rope.llama3_factor > 1, rope.llama3_low_freq_factor must be positive, "
+                    "rope.llama3_high_freq_factor finite and larger than it, and rope.llama3_original_max_position "
+                    "positive");
   detail::require(lim.max_batch > 0, "limits: max_batch must be positive");
   detail::require(lim.max_tokens > 0, "limits: max_tokens must be positive");
+  // Token counts, window indices and table sizes are ints: 2^30 tokens leaves them room.
+  detail::require(lim.max_tokens <= limits::largest_max_tokens,
+                  "limits: max_tokens (" + std::to_string(lim.max_tokens) + ") must be at most " +
+                      std::to_string(limits::largest_max_tokens));
 
   region_plan p;
   p.kv_heads = g.kv_heads;
@@ -178,7 +190,14 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
       p.budget_bytes = static_cast<std::size_t>(share * f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes));
       break;
     }
-    case budget::kind::bytes: p.budget_bytes = static_cast<std::size_t>(share * static_cast<double>(b.bytes_value())); break;
+    case budget::kind::bytes:
+      // A bound far above any real budget keeps every product of the byte report (budget times
+      // layers times sequences) and the shares' doubles exact and in range.
+      detail::require(b.bytes_value() <= budget::largest_bytes,
+                      "budget::bytes_per_sequence_layer(" + std::to_string(b.bytes_value()) + "): at most " +
+                          std::to_string(budget::largest_bytes) + " bytes (2^48) per sequence and layer");
+      p.budget_bytes = static_cast<std::size_t>(share * static_cast<double>(b.bytes_value()));
+      break;
     case budget::kind::everything:
       p.budget_bytes = fixed + A::bytes_to_keep_all(p.table_entries(), p.full_window_bytes, p.quantized_window_bytes());
       break;

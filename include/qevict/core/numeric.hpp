@@ -4,7 +4,9 @@
 // headers; conversions round to nearest even, like the hardware does.
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 #include "qevict/core/platform.hpp"
 
@@ -98,6 +100,33 @@ QEVICT_HOST_DEVICE void store(element_type e, void* base, std::size_t i, float v
 }
 
 QEVICT_HOST_DEVICE bool is_finite(float v) { return (float_bits(v) & 0x7f800000u) != 0x7f800000u; }
+
+/// The largest finite float.
+inline constexpr float largest_float = 3.40282347e+38f;
+
+/// Whether x is a number of magnitude at most `limit`: false for NaN, and with `largest_float` as
+/// the limit, whether x is finite.
+QEVICT_HOST_DEVICE constexpr bool within(float x, float limit) { return x <= limit && x >= -limit; }
+
+/// The largest magnitude of a key or value that a cache of element type e accepts. Finite is not
+/// enough: RoPE grows a key pair by up to √2 and a quantizer forms max − min in float, so an input
+/// near the type's limit would be stored as an infinity, or quantized with one, and poison every
+/// later step. Half of f16's range (f16 caches) and a quarter of float's (bf16 and f32 caches) keep
+/// every rotated key, stored element and quantizer range finite.
+QEVICT_HOST_DEVICE constexpr float largest_kv_magnitude(element_type e) {
+  return e == element_type::f16 ? 32752.0f : largest_float / 4;
+}
+
+/// What is wrong with an input element x that fails within(x, limit), in the words of both
+/// backends' errors: "is NaN", "is infinite" or "= x is beyond ±limit, ...".
+inline std::string input_problem(float x, float limit, element_type e) {
+  if (x != x) return "is NaN";
+  if (!is_finite(x)) return "is infinite";
+  char text[128];
+  std::snprintf(text, sizeof text, "= %g is beyond ±%g, the largest magnitude of a key or value that a cache of %s elements accepts",
+                static_cast<double>(x), static_cast<double>(limit), to_string(e));
+  return text;
+}
 
 }  // namespace numeric
 }  // namespace qevict

@@ -1,10 +1,11 @@
 #pragma once
 // Device state of the CUDA backend and the small kernels of a decode step: the input check
-// (finiteness, reported through a device error flag), append (RoPE, store into the sinks or the
+// (finite, and for keys and values within numeric::largest_kv_magnitude; reported through a device
+// error flag), append (RoPE, store into the sinks or the
 // recent ring) and the attend prologue (batch lanes, the lane states the decode kernel sees).
 //
 // Error flag. Inputs live on the device, so the host cannot scan them without a sync. Each call
-// scans its inputs first; a non-finite value sets the flag, and every later kernel that changes
+// scans its inputs first; a bad value sets the flag, and every later kernel that changes
 // the cache sees the flag and does nothing, so the cache stays as it was before the bad call until
 // the host reads the flag at its next synchronizing call and throws qevict::error.
 
@@ -21,10 +22,10 @@ namespace qevict::kernels {
 
 /// The first bad input the device found (code 0: none).
 struct device_error {
-  int code = 0;   ///< 1: NaN, 2: infinite
-  int call = 0;   ///< 1: append, 2: attend, 3: prefill
-  int input = 0;  ///< 0: q, 1: k, 2: v
-  int pad = 0;
+  int code = 0;       ///< 1: NaN, 2: infinite, 3: finite but beyond the input's limit
+  int call = 0;       ///< 1: append, 2: attend, 3: prefill
+  int input = 0;      ///< 0: q, 1: k, 2: v
+  float value = 0.f;  ///< the element found
   long long index = 0;  ///< element index in that input
 };
 
@@ -94,31 +95,36 @@ __device__ __forceinline__ bool failed(const device_error* e) {
   return *reinterpret_cast<const volatile int*>(&e->code) != 0;
 }
 
-/// Element i of x: if it is not finite and no bad input was found before, records it in the flag.
-/// Returns whether it was finite.
-__device__ __forceinline__ bool check_finite(const float* x, std::size_t i, device_error* e, int call, int input) {
+/// Element i of x: if it is not a number of magnitude at most `limit` (numeric::within) and no bad
+/// input was found before, records it in the flag. Returns whether it passed.
+__device__ __forceinline__ bool check_input(const float* x, std::size_t i, float limit, device_error* e, int call,
+                                            int input) {
   const float v = x[i];
-  if (numeric::is_finite(v)) return true;
-  if (atomicCAS(&e->code, 0, v != v ? 1 : 2) == 0) {
+  if (numeric::within(v, limit)) return true;
+  if (atomicCAS(&e->code, 0, v != v ? 1 : numeric::is_finite(v) ? 3 : 2) == 0) {
     e->call = call;
     e->input = input;
+    e->value = v;
     e->index = static_cast<long long>(i);
   }
   return false;
 }
 
-/// Loads a thread of scan_finite issues before it tests any of them.
+/// Loads a thread of scan_input issues before it tests any of them.
 inline constexpr int scan_loads_in_flight = 8;
 
-__device__ __forceinline__ bool all_finite(float v) { return numeric::is_finite(v); }
-__device__ __forceinline__ bool all_finite(float4 v) {
-  return numeric::is_finite(v.x) & numeric::is_finite(v.y) & numeric::is_finite(v.z) & numeric::is_finite(v.w);
+__device__ __forceinline__ bool all_within(float v, float limit) { return numeric::within(v, limit); }
+__device__ __forceinline__ bool all_within(float4 v, float limit) {
+  return numeric::within(v.x, limit) & numeric::within(v.y, limit) & numeric::within(v.z, limit) &
+         numeric::within(v.w, limit);
 }
 
-/// Whether p[first], p[first + stride], ... (below `loads`) are all finite: scan_loads_in_flight
-/// loads at a time, every one issued before the first test, and no branch on a loaded value.
+/// Whether p[first], p[first + stride], ... (below `loads`) are all within the limit:
+/// scan_loads_in_flight loads at a time, every one issued before the first test, and no branch on
+/// a loaded value.
 template <class T>
-__device__ __forceinline__ bool all_finite(const T* p, std::size_t loads, std::size_t first, std::size_t stride) {
+__device__ __forceinline__ bool all_within(const T* p, std::size_t loads, std::size_t first, std::size_t stride,
+                                           float limit) {
   constexpr int U = scan_loads_in_flight;
   bool ok = true;
   std::size_t j = first;
@@ -127,43 +133,45 @@ __device__ __forceinline__ bool all_finite(const T* p, std::size_t loads, std::s
 #pragma unroll
     for (int u = 0; u < U; ++u) v[u] = p[j + u * stride];
 #pragma unroll
-    for (int u = 0; u < U; ++u) ok &= all_finite(v[u]);
+    for (int u = 0; u < U; ++u) ok &= all_within(v[u], limit);
   }
-  for (; j < loads; j += stride) ok &= all_finite(p[j]);
+  for (; j < loads; j += stride) ok &= all_within(p[j], limit);
   return ok;
 }
 
 /// Scans x[0, n) with threads `first`, `first + stride`, ... (of a block or a grid), each taking
 /// every stride-th 16-byte piece (every stride-th element where x is not 16-byte aligned); the
-/// first non-finite value found sets the flag. A loop that stopped at the first non-finite value
-/// could not issue a load before it had tested the last one, one round trip to memory per
-/// element a thread reads; all_finite keeps several in flight. Only a thread that found a
-/// non-finite value looks again, element by element, to record one.
-__device__ inline void scan_finite(const float* x, std::size_t n, std::size_t first, std::size_t stride, device_error* e,
-                                   int call, int input) {
+/// first value found that is not a number of magnitude at most `limit` (largest_float for the
+/// queries: finite; numeric::largest_kv_magnitude for keys and values) sets the flag. A loop that
+/// stopped at the first bad value could not issue a load before it had tested the last one, one
+/// round trip to memory per element a thread reads; all_within keeps several in flight. Only a
+/// thread that found a bad value looks again, element by element, to record one.
+__device__ inline void scan_input(const float* x, std::size_t n, std::size_t first, std::size_t stride, float limit,
+                                  device_error* e, int call, int input) {
   const bool pieces = reinterpret_cast<std::uintptr_t>(x) % 16 == 0;
   const std::size_t per_load = pieces ? 4 : 1, loads = n / per_load;
   const bool tail = pieces && first == 0;  // the elements past the last whole piece: the first thread's
-  bool ok = pieces ? all_finite(reinterpret_cast<const float4*>(x), loads, first, stride) : all_finite(x, loads, first, stride);
-  if (tail) ok &= all_finite(x + loads * 4, n - loads * 4, 0, 1);
+  bool ok = pieces ? all_within(reinterpret_cast<const float4*>(x), loads, first, stride, limit)
+                   : all_within(x, loads, first, stride, limit);
+  if (tail) ok &= all_within(x + loads * 4, n - loads * 4, 0, 1, limit);
   if (ok) return;
   for (std::size_t j = first; j < loads; j += stride)
     for (std::size_t c = 0; c < per_load; ++c)
-      if (!check_finite(x, j * per_load + c, e, call, input)) return;
+      if (!check_input(x, j * per_load + c, limit, e, call, input)) return;
   if (tail)
     for (std::size_t i = loads * 4; i < n; ++i)
-      if (!check_finite(x, i, e, call, input)) return;
+      if (!check_input(x, i, limit, e, call, input)) return;
 }
 
-/// scan_finite on one block (every block that calls it scans all of x).
-__device__ inline void scan_finite(const float* x, std::size_t n, device_error* e, int call, int input) {
-  scan_finite(x, n, threadIdx.x, blockDim.x, e, call, input);
+/// scan_input on one block (every block that calls it scans all of x).
+__device__ inline void scan_input(const float* x, std::size_t n, float limit, device_error* e, int call, int input) {
+  scan_input(x, n, threadIdx.x, blockDim.x, limit, e, call, input);
 }
 
 /// Multi-block version for large inputs (prefill).
-__global__ void scan_finite_kernel(const float* x, std::size_t n, device_error* e, int call, int input) {
-  scan_finite(x, n, blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x, static_cast<std::size_t>(gridDim.x) * blockDim.x,
-              e, call, input);
+__global__ void scan_input_kernel(const float* x, std::size_t n, float limit, device_error* e, int call, int input) {
+  scan_input(x, n, blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x,
+             static_cast<std::size_t>(gridDim.x) * blockDim.x, limit, e, call, input);
 }
 
 /// Rotates the pair (x0, x1) by the angle whose cosine and sine are (c, s) (sign 1) or by its
@@ -203,8 +211,9 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
   const std::size_t row = static_cast<std::size_t>(H) * D;
-  scan_finite(k, list.n * row, S.error, 1, 1);
-  scan_finite(v, list.n * row, S.error, 1, 2);
+  const float limit = numeric::largest_kv_magnitude(P.element);
+  scan_input(k, list.n * row, limit, S.error, 1, 1);
+  scan_input(v, list.n * row, limit, S.error, 1, 2);
   __syncthreads();
   if (failed(S.error)) return;
   const int b = blockIdx.x;
@@ -244,7 +253,7 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
 /// kernel reads (empty lanes after a bad input, so that nothing changes), counts the step.
 __global__ void __launch_bounds__(1024) attend_prologue_kernel(const cache_params P, const cache_pointers S,
                                                                const lane_list list, const float* q) {
-  scan_finite(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim, S.error, 2, 0);
+  scan_input(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim, numeric::largest_float, S.error, 2, 0);
   __syncthreads();
   const bool bad = failed(S.error);
   for (int b = threadIdx.x; b < list.n; b += blockDim.x) {

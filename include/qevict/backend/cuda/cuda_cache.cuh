@@ -285,9 +285,10 @@ class cuda_cache {
     const kernels::cache_params& P = params(layer);
     const long long p0 = first_position(s);
     const int q0 = n - q_rows;
-    launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, 3, 0);
-    launch_scan(k, static_cast<std::size_t>(n) * krow, 3, 1);
-    launch_scan(v, static_cast<std::size_t>(n) * krow, 3, 2);
+    const float kv_limit = numeric::largest_kv_magnitude(geo_.element);
+    launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, numeric::largest_float, 3, 0);
+    launch_scan(k, static_cast<std::size_t>(n) * krow, kv_limit, 3, 1);
+    launch_scan(v, static_cast<std::size_t>(n) * krow, kv_limit, 3, 2);
     const int first_observer = std::max(q0, n - opt_.observation_window);
     const int observers = n - first_observer;
     const int started = windows_started(n);
@@ -412,8 +413,9 @@ class cuda_cache {
     QEVICT_CUDA_CHECK(cudaMemset(S_.error, 0, sizeof(kernels::device_error)));
     const char* calls[] = {"?", "append", "attend", "prefill"};
     const char* inputs[] = {"q", "k", "v"};
-    throw error(std::string(calls[e.call & 3]) + ": " + inputs[e.input % 3] + "[" + std::to_string(e.index) + "] is " +
-                (e.code == 1 ? "NaN" : "infinite") +
+    const float limit = e.input == 0 ? numeric::largest_float : numeric::largest_kv_magnitude(geo_.element);
+    throw error(std::string(calls[e.call & 3]) + ": " + inputs[e.input % 3] + "[" + std::to_string(e.index) + "] " +
+                numeric::input_problem(e.value, limit, geo_.element) +
                 " (found on the device); that call and every later change were skipped, the cache is as it was before it");
   }
 
@@ -627,11 +629,11 @@ class cuda_cache {
     return first_position(s) + plan_.sinks + static_cast<long long>(w) * plan_.window;
   }
 
-  void launch_scan(const float* x, std::size_t n, int call, int input) {
+  void launch_scan(const float* x, std::size_t n, float limit, int call, int input) {
     if (n == 0) return;
     const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(1024, (n + 255) / 256));
-    kernels::detail::scan_finite_kernel<<<blocks, 256, 0, set_.stream>>>(x, n, S_.error, call, input);
-    QEVICT_CUDA_CHECK_LAUNCH("scan_finite_kernel");
+    kernels::detail::scan_input_kernel<<<blocks, 256, 0, set_.stream>>>(x, n, limit, S_.error, call, input);
+    QEVICT_CUDA_CHECK_LAUNCH("scan_input_kernel");
   }
 
   /// f.template operator()<MaxItems>() with the decide kernel's table entries per thread for a lane
