@@ -14,7 +14,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -101,6 +103,7 @@ struct tensor_info {
     std::uint64_t offset = 0;         // relative to the start of the tensor data section
     std::span<const float> data;
 
+    // The product of the dims; file::open has checked that it fits, for every tensor of a file.
     [[nodiscard]] std::uint64_t elements() const {
         std::uint64_t n = 1;
         for (auto d : dims) n *= d;
@@ -285,6 +288,8 @@ private:
             alignment_ = static_cast<std::uint64_t>(a->as_int());
         }
 
+        // find_tensor returns the first tensor of a name: a second one would be silently ignored.
+        std::set<std::string> names;
         for (std::uint64_t i = 0; i < tensor_count; ++i) {
             tensor_info t;
             t.name = read_string("a tensor name");
@@ -299,21 +304,43 @@ private:
                 throw load_error(load_errc::unsupported_tensor_type,
                                  path_ + ": tensor '" + t.name + "' has type " + ggml_type_name(t.type) +
                                      "; only F32 tensors are supported");
+            if (!names.insert(t.name).second)
+                throw load_error(load_errc::bad_metadata, path_ + ": tensor '" + t.name + "' appears more than once");
             tensors_.push_back(std::move(t));
         }
 
+        // The checks subtract from the file size instead of adding offsets and sizes, so that no
+        // corrupt value can wrap around 2^64 into a range that passes them.
         const std::uint64_t data_start = (pos_ + alignment_ - 1) / alignment_ * alignment_;
+        // A file that ends within the padding before the tensor data has none of it.
+        const std::uint64_t data_size = data_start < size_ ? size_ - data_start : 0;
         for (auto& t : tensors_) {
-            const std::uint64_t begin = data_start + t.offset;
-            const std::uint64_t bytes = t.elements() * sizeof(float);
-            if (begin % sizeof(float) != 0)
+            const std::uint64_t bytes = byte_size(t);
+            // data_start is a multiple of the alignment, itself a multiple of 4.
+            if (t.offset % sizeof(float) != 0)
                 throw load_error(load_errc::bad_metadata, path_ + ": tensor '" + t.name + "' is not aligned");
-            if (begin > size_ || bytes > size_ - begin)
-                throw load_error(load_errc::truncated, path_ + ": file is truncated (tensor '" + t.name + "' needs bytes " +
-                                                           std::to_string(begin) + ".." + std::to_string(begin + bytes) +
-                                                           ", file has " + std::to_string(size_) + ")");
-            t.data = std::span<const float>(storage_.data() + begin / sizeof(float), static_cast<std::size_t>(t.elements()));
+            if (data_start > size_ || t.offset > data_size || bytes > data_size - t.offset)
+                throw load_error(load_errc::truncated,
+                                 path_ + ": file is truncated (tensor '" + t.name + "' needs " + std::to_string(bytes) +
+                                     " bytes at offset " + std::to_string(t.offset) + " of the tensor data, " +
+                                     "which starts at byte " + std::to_string(data_start) + " and has " +
+                                     std::to_string(data_size) + " bytes)");
+            t.data = std::span<const float>(storage_.data() + (data_start + t.offset) / sizeof(float),
+                                            static_cast<std::size_t>(t.elements()));
         }
+    }
+
+    // The bytes of the tensor's data, or a load_error when its dims multiply past 64 bits (the
+    // wrapped product could be small enough to pass the bounds check).
+    [[nodiscard]] std::uint64_t byte_size(const tensor_info& t) const {
+        std::uint64_t product = sizeof(float);
+        for (auto d : t.dims) {
+            if (d != 0 && product > std::numeric_limits<std::uint64_t>::max() / d)
+                throw load_error(load_errc::bad_metadata, path_ + ": tensor '" + t.name + "' has shape " +
+                                                              t.shape_string() + ", too large to address in 64 bits");
+            product *= d;
+        }
+        return product;
     }
 
     std::string path_;

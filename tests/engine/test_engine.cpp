@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../../examples/llama/generate.hpp"
@@ -99,6 +101,99 @@ std::string tiny_gguf(std::uint32_t magic = 0x46554747, std::uint32_t version = 
     return w.bytes;
 }
 
+// A GGUF v3 file of F32 tensors put together record by record. A tensor record's dims and offset
+// are written as given, so a test can make them disagree with the data section.
+struct gguf_builder {
+    struct tensor_record {
+        std::string name;
+        std::vector<std::uint64_t> dims;
+        std::uint64_t offset = 0;  // into the data section
+    };
+    gguf_writer metadata;
+    std::uint64_t metadata_count = 0;
+    std::vector<tensor_record> tensors;
+    std::vector<float> data;
+
+    void kv_u32(const std::string& key, std::uint32_t value) {
+        metadata.kv_u32(key, value);
+        ++metadata_count;
+    }
+    void kv_string(const std::string& key, const std::string& value) {
+        metadata.kv_string(key, value);
+        ++metadata_count;
+    }
+    void kv_strings(const std::string& key, const std::vector<std::string>& values) {
+        metadata.str(key);
+        metadata.put<std::uint32_t>(9);
+        metadata.put<std::uint32_t>(8);
+        metadata.put<std::uint64_t>(values.size());
+        for (const auto& v : values) metadata.str(v);
+        ++metadata_count;
+    }
+    void kv_floats(const std::string& key, const std::vector<float>& values) {
+        metadata.str(key);
+        metadata.put<std::uint32_t>(9);
+        metadata.put<std::uint32_t>(6);
+        metadata.put<std::uint64_t>(values.size());
+        for (float v : values) metadata.put(v);
+        ++metadata_count;
+    }
+    // A tensor whose values follow the data already there, at the next 32-byte boundary.
+    void add_tensor(const std::string& name, const std::vector<std::uint64_t>& dims) {
+        while (data.size() % 8) data.push_back(0.f);
+        tensors.push_back({name, dims, data.size() * sizeof(float)});
+        std::uint64_t n = 1;
+        for (auto d : dims) n *= d;
+        data.resize(data.size() + n, 0.01f);
+    }
+    [[nodiscard]] std::string bytes() const {
+        gguf_writer w;
+        w.put<std::uint32_t>(0x46554747);
+        w.put<std::uint32_t>(3);
+        w.put<std::uint64_t>(tensors.size());
+        w.put(metadata_count);
+        w.bytes += metadata.bytes;
+        for (const auto& t : tensors) {
+            w.str(t.name);
+            w.put(static_cast<std::uint32_t>(t.dims.size()));
+            for (auto d : t.dims) w.put(d);
+            w.put<std::uint32_t>(0);  // F32
+            w.put(t.offset);
+        }
+        while (w.bytes.size() % 32) w.bytes += '\0';
+        for (float f : data) w.put(f);
+        return w.bytes;
+    }
+};
+
+// A file shaped like a real Llama model but small (byte-level vocabulary, one block): every key
+// and tensor model::load asks for, and nothing else.
+gguf_builder tiny_llama() {
+    constexpr std::uint64_t dim = 8, ffn = 16, vocab = 256;
+    gguf_builder b;
+    b.kv_string("general.architecture", "llama");
+    b.kv_u32("llama.embedding_length", dim);
+    b.kv_u32("llama.block_count", 1);
+    b.kv_u32("llama.attention.head_count", 2);
+    b.kv_u32("llama.feed_forward_length", ffn);
+    std::vector<std::string> pieces;
+    for (int byte = 0; byte < 256; ++byte) {
+        char piece[8];
+        std::snprintf(piece, sizeof piece, "<0x%02X>", byte);
+        pieces.emplace_back(piece);
+    }
+    b.kv_strings("tokenizer.ggml.tokens", pieces);
+    b.kv_floats("tokenizer.ggml.scores", std::vector<float>(vocab, 0.f));
+    b.add_tensor("token_embd.weight", {dim, vocab});
+    b.add_tensor("output_norm.weight", {dim});
+    for (const char* name : {"attn_norm", "ffn_norm"}) b.add_tensor(std::string("blk.0.") + name + ".weight", {dim});
+    for (const char* name : {"attn_q", "attn_k", "attn_v", "attn_output"})
+        b.add_tensor(std::string("blk.0.") + name + ".weight", {dim, dim});
+    for (const char* name : {"ffn_gate", "ffn_up"}) b.add_tensor(std::string("blk.0.") + name + ".weight", {dim, ffn});
+    b.add_tensor("blk.0.ffn_down.weight", {ffn, dim});
+    return b;
+}
+
 fs::path write_temp(const std::string& name, const std::string& bytes) {
     const fs::path dir = fs::temp_directory_path() / "qevict_test_engine";
     fs::create_directories(dir);
@@ -108,15 +203,24 @@ fs::path write_temp(const std::string& name, const std::string& bytes) {
 }
 
 template <class F>
-llama::load_errc error_of(F&& f) {
+llama::load_error load_error_of(F&& f) {
     try {
         f();
     } catch (const llama::load_error& e) {
         MESSAGE("load_error: " << std::string(e.what()));
-        return e.code();
+        return e;
     }
     FAIL("no load_error was thrown");
-    return {};
+    return llama::load_error({}, "");
+}
+
+template <class F>
+llama::load_errc error_of(F&& f) {
+    return load_error_of(std::forward<F>(f)).code();
+}
+
+bool names_tensor(const llama::load_error& e, const std::string& tensor) {
+    return std::string(e.what()).find("'" + tensor + "'") != std::string::npos;
 }
 
 }  // namespace
@@ -154,6 +258,65 @@ TEST_CASE("gguf: broken files give clear load errors") {
           load_errc::missing_tensor);
     CHECK(error_of([] { (void)file::open(write_temp("good.gguf", tiny_gguf())).tensor("x.weight", {2, 4}); }) ==
           load_errc::bad_tensor_shape);
+}
+
+TEST_CASE("gguf: a tensor offset that wraps around past the end of the file is refused") {
+    // With one tensor record the data section starts at byte 64, so offsets of 2^64 - 64 and
+    // 2^64 - 40 would wrap the tensor's start around to the magic number and to the tensor record.
+    for (std::uint64_t offset : {std::uint64_t{0} - 64, std::uint64_t{0} - 40}) {
+        CAPTURE(offset);
+        gguf_builder b;
+        b.tensors.push_back({"x.weight", {4}, offset});
+        b.data.assign(4, 1.f);
+        const auto bytes = b.bytes();
+        REQUIRE(bytes.size() == 64 + 4 * sizeof(float));
+        const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("wrap.gguf", bytes)); });
+        CHECK(e.code() == llama::load_errc::truncated);
+        CHECK(names_tensor(e, "x.weight"));
+    }
+}
+
+TEST_CASE("gguf: tensor dims whose element count or byte size overflows 64 bits are refused") {
+    using dims = std::vector<std::uint64_t>;
+    // (2^62 + 1) * 4 bytes wraps to 4 bytes; 2^32 * 2^32 elements wraps to none; 2^31 * 2^31 * 4
+    // bytes wraps to 0 bytes.
+    for (const auto& shape : {dims{(std::uint64_t{1} << 62) + 1, 1}, dims{std::uint64_t{1} << 32, std::uint64_t{1} << 32},
+                              dims{std::uint64_t{1} << 31, std::uint64_t{1} << 31}}) {
+        CAPTURE(shape.front());
+        gguf_builder b;
+        b.tensors.push_back({"x.weight", shape, 0});
+        b.data.assign(4, 1.f);
+        const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("huge.gguf", b.bytes())); });
+        CHECK(e.code() == llama::load_errc::bad_metadata);
+        CHECK(names_tensor(e, "x.weight"));
+    }
+    // Without overflow, a tensor larger than the file is a truncated file.
+    gguf_builder b;
+    b.tensors.push_back({"x.weight", {std::uint64_t{1} << 20, std::uint64_t{1} << 20}, 0});
+    b.data.assign(4, 1.f);
+    const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("huge.gguf", b.bytes())); });
+    CHECK(e.code() == llama::load_errc::truncated);
+    CHECK(names_tensor(e, "x.weight"));
+}
+
+TEST_CASE("gguf: two tensors of the same name are refused") {
+    gguf_builder b;
+    b.add_tensor("output_norm.weight", {4});
+    b.add_tensor("token_embd.weight", {4, 2});
+    b.add_tensor("output_norm.weight", {4});
+    const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("twice.gguf", b.bytes())); });
+    CHECK(e.code() == llama::load_errc::bad_metadata);
+    CHECK(names_tensor(e, "output_norm.weight"));
+}
+
+TEST_CASE("model: a tensor the engine does not use is refused") {
+    auto b = tiny_llama();
+    const auto m = llama::model::load(write_temp("tiny_llama.gguf", b.bytes()));  // complete as it is
+    CHECK(m.params().vocab == 256);
+    b.add_tensor("rope_freqs.weight", {4});
+    const auto e = load_error_of([&] { (void)llama::model::load(write_temp("tiny_llama_extra.gguf", b.bytes())); });
+    CHECK(e.code() == llama::load_errc::unknown_tensor);
+    CHECK(names_tensor(e, "rope_freqs.weight"));
 }
 
 TEST_CASE("model: wrong architecture and incomplete models are refused") {
