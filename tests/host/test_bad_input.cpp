@@ -209,8 +209,8 @@ TEST_CASE("append and prefill: finite keys and values too large for the cache's 
 }
 
 TEST_CASE("an f16 cache: keys and values at its limit stay finite through rotation, quantization and routing") {
-  // f16 holds ±65504. Before this check, a key of 1e5 (finite as a float) was stored as an
-  // infinity and made every later output NaN. Half the range is accepted: RoPE grows a key pair by
+  // f16 holds ±65504: a key of 1e5, finite as a float, would be stored as an infinity and make
+  // every later output NaN, so it is refused. Half the range is accepted: RoPE grows a key pair by
   // at most √2, and the quantizers' ranges are formed in float.
   qevict::geometry g16 = geo;
   g16.element = qevict::element_type::f16;
