@@ -7,21 +7,14 @@
 // Inputs (q, k, v, out) are device pointers, row-major float as documented in cache.hpp. The host
 // keeps mirrors of each lane's token count, aged windows and steps since routing (all follow from
 // the calls alone), so shapes, capacities and the routing schedule are decided without a sync.
-// Finiteness is checked on the device (kernels/cache_state.cuh): a bad input freezes the cache and
+// Inputs are checked on the device as on the host (finite; keys and values within
+// numeric::largest_kv_magnitude; kernels/cache_state.cuh): a bad input freezes the cache and
 // the next synchronizing call — check(), report(), windows(), counts(), read_window(),
 // ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
 //
-// Supported policies (backend/cuda/supports.hpp): window<W, S <= 8, L> with W in {8, 16, 32}, or
-// W in {1, 2, 4} with a two-tier allocator; quantizers::asymmetric<2, meta::bf16, any key frame>
-// and asymmetric<4, meta::bf16, before_rope or after_rope>; every allocator (three_tier, two_tier,
-// quantize_all, mixed_precision: the kernels see only the plan's K_f and K_q); routing::ranked and
-// routing::frozen_after_prefill; selection::per_layer and selection::per_kv_head (each KV head's
-// windows are table entries, Full slots and records of their own, and each KV head's CTAs read
-// their own window list); full_tier::full_precision; every scorer (value-weighted ones with an
-// allocator that keeps no records), with any prefill aggregation and pooling; a budget per layer
-// (budget::with_layer_shares: each layer's region and caps its own); bf16 or f16 elements,
-// head_dim 64 or 128, GQA groups up to 8. Anything else fails at compile time (policies) or at
-// construction (geometry).
+// Supported policies and geometries: backend/cuda/supports.hpp, the one place the conditions are
+// written (cuda_support<Config>); anything else fails at compile time (policies) or at
+// construction (geometry: bf16 or f16 elements, head_dim 64 or 128, GQA groups up to 8).
 //
 // CUDA graphs: the kernels read token counts, positions and window lists from the device, so a
 // captured decode step replays correctly on the device. The host mirrors advance with calls only,
