@@ -1,8 +1,8 @@
 #pragma once
 // Device state of the CUDA backend and the small kernels of a decode step: the input check
-// (finite, and for keys and values within numeric::largest_kv_magnitude; reported through a device
-// error flag), append (RoPE, store into the sinks or the
-// recent ring) and the attend prologue (batch lanes, the lane states the decode kernel sees).
+// (finite, and for keys and values within numeric::largest_kv_magnitude; reported through a
+// device error flag), append (RoPE, store into the sinks or the recent ring) and the attend
+// prologue (batch lanes, the lane states the decode kernel sees).
 //
 // Error flag. Inputs live on the device, so the host cannot scan them without a sync. Each call
 // scans its inputs first; a bad value sets the flag, and every later kernel that changes
@@ -22,10 +22,10 @@ namespace qevict::kernels {
 
 /// The first bad input the device found (code 0: none).
 struct device_error {
-  int code = 0;       ///< 1: NaN, 2: infinite, 3: finite but beyond the input's limit
-  int call = 0;       ///< 1: append, 2: attend, 3: prefill
-  int input = 0;      ///< 0: q, 1: k, 2: v
-  float value = 0.f;  ///< the element found
+  int code = 0;         ///< 1: NaN, 2: infinite, 3: finite but beyond the input's limit
+  int call = 0;         ///< 1: append, 2: attend, 3: prefill
+  int input = 0;        ///< 0: q, 1: k, 2: v
+  float value = 0.f;    ///< the element found
   long long index = 0;  ///< element index in that input
 };
 
