@@ -71,6 +71,19 @@ struct twin {
     return same;
   }
 
+  /// A new sequence in both caches, for prefills that must fail.
+  qevict::sequence_id add_fresh() {
+    const qevict::sequence_id s = a.add_sequence();
+    REQUIRE(b.add_sequence() == s);
+    return s;
+  }
+  /// After the failed prefills: `s` holds no token, and leaves both caches.
+  void remove_fresh(qevict::sequence_id s) {
+    CHECK(a.tokens(s, 0) == 0);
+    a.remove_sequence(s);
+    b.remove_sequence(s);
+  }
+
   /// The whole observable state of `a` equals that of `b`, and the next step agrees.
   void check_unchanged() {
     CHECK(a.report().to_string() == b.report().to_string());
@@ -154,8 +167,7 @@ TEST_CASE("construction: budget too small, external storage too small or misalig
 TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") {
   twin t;
   const qevict::sequence_id s0 = t.ids[0];
-  const qevict::sequence_id fresh = t.a.add_sequence();
-  REQUIRE(t.b.add_sequence() == fresh);
+  const qevict::sequence_id fresh = t.add_fresh();
   const int n = 6;
   auto q = t.r.normals(n * qrow), k = t.r.normals(n * krow), v = t.r.normals(n * krow);
   std::vector<float> out(n * qrow);
@@ -176,9 +188,7 @@ TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") 
   auto bq = t.r.normals(big * qrow), bk = t.r.normals(big * krow), bv = t.r.normals(big * krow);
   std::vector<float> bo(big * qrow);
   expect_error([&] { t.a.prefill(0, fresh, bq, bk, bv, bo); }, "exceeds limits::max_tokens = 80");
-  CHECK(t.a.tokens(fresh, 0) == 0);
-  t.a.remove_sequence(fresh);
-  t.b.remove_sequence(fresh);
+  t.remove_fresh(fresh);
   t.check_unchanged();
 }
 
@@ -195,16 +205,13 @@ TEST_CASE("append and prefill: finite keys and values too large for the cache's 
   expect_error([&] { t.a.append(0, t.ids, big_k, v); }, "append: k[19] = 3e+38 is beyond ±8.50706e+37, the largest "
                                                          "magnitude of a key or value that a cache of f32 elements accepts");
   expect_error([&] { t.a.append(1, t.ids, k, big_v); }, "append: v[5] = -1e+38 is beyond ±8.50706e+37");
-  const qevict::sequence_id fresh = t.a.add_sequence();
-  REQUIRE(t.b.add_sequence() == fresh);
+  const qevict::sequence_id fresh = t.add_fresh();
   const int n = 4;
   auto pq = t.r.normals(n * qrow), pk = t.r.normals(n * krow), pv = t.r.normals(n * krow);
   pv[n * krow - 1] = 2 * limit;
   std::vector<float> out(n * qrow);
   expect_error([&] { t.a.prefill(0, fresh, pq, pk, pv, out); }, "prefill: v[63] = ");
-  CHECK(t.a.tokens(fresh, 0) == 0);
-  t.a.remove_sequence(fresh);
-  t.b.remove_sequence(fresh);
+  t.remove_fresh(fresh);
   t.check_unchanged();
 }
 
