@@ -316,9 +316,12 @@ private:
         const std::uint64_t data_size = data_start < size_ ? size_ - data_start : 0;
         for (auto& t : tensors_) {
             const std::uint64_t bytes = byte_size(t);
-            // data_start is a multiple of the alignment, itself a multiple of 4.
-            if (t.offset % sizeof(float) != 0)
-                throw load_error(load_errc::bad_metadata, path_ + ": tensor '" + t.name + "' is not aligned");
+            // GGUF places every tensor at a multiple of the alignment from data_start, itself a
+            // multiple of the alignment; both are multiples of 4, so the floats are aligned too.
+            if (t.offset % alignment_ != 0)
+                throw load_error(load_errc::bad_metadata, path_ + ": tensor '" + t.name + "' is at offset " +
+                                                              std::to_string(t.offset) + ", not a multiple of the alignment " +
+                                                              std::to_string(alignment_) + " (general.alignment)");
             if (data_start > size_ || t.offset > data_size || bytes > data_size - t.offset)
                 throw load_error(load_errc::truncated,
                                  path_ + ": file is truncated (tensor '" + t.name + "' needs " + std::to_string(bytes) +

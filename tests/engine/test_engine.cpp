@@ -262,8 +262,9 @@ TEST_CASE("gguf: broken files give clear load errors") {
 
 TEST_CASE("gguf: a tensor offset that wraps around past the end of the file is refused") {
     // With one tensor record the data section starts at byte 64, so offsets of 2^64 - 64 and
-    // 2^64 - 40 would wrap the tensor's start around to the magic number and to the tensor record.
-    for (std::uint64_t offset : {std::uint64_t{0} - 64, std::uint64_t{0} - 40}) {
+    // 2^64 - 32 (multiples of the alignment, 32) would wrap the tensor's start around to the magic
+    // number and to the tensor record.
+    for (std::uint64_t offset : {std::uint64_t{0} - 64, std::uint64_t{0} - 32}) {
         CAPTURE(offset);
         gguf_builder b;
         b.tensors.push_back({"x.weight", {4}, offset});
@@ -297,6 +298,27 @@ TEST_CASE("gguf: tensor dims whose element count or byte size overflows 64 bits 
     const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("huge.gguf", b.bytes())); });
     CHECK(e.code() == llama::load_errc::truncated);
     CHECK(names_tensor(e, "x.weight"));
+}
+
+TEST_CASE("gguf: a tensor offset that is not a multiple of the alignment is refused") {
+    // The data section of this file starts at byte 64; offset 16 lies inside it but not at a
+    // multiple of the default alignment (32), offset 6 not even at a float.
+    for (std::uint64_t offset : {std::uint64_t{16}, std::uint64_t{6}}) {
+        CAPTURE(offset);
+        gguf_builder b;
+        b.tensors.push_back({"x.weight", {4}, offset});
+        b.data.assign(16, 1.f);
+        const auto e = load_error_of([&] { (void)llama::gguf::file::open(write_temp("misaligned.gguf", b.bytes())); });
+        CHECK(e.code() == llama::load_errc::bad_metadata);
+        CHECK(names_tensor(e, "x.weight"));
+        CHECK(std::string(e.what()).find("not a multiple of the alignment 32") != std::string::npos);
+    }
+    // At offset 32 the same file is read.
+    gguf_builder b;
+    b.tensors.push_back({"x.weight", {4}, 32});
+    b.data.assign(16, 1.f);
+    const auto f = llama::gguf::file::open(write_temp("aligned.gguf", b.bytes()));
+    CHECK(f.tensors().size() == 1);
 }
 
 TEST_CASE("gguf: two tensors of the same name are refused") {
