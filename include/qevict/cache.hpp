@@ -102,9 +102,7 @@ class cache {
 
   /// Bytes of the arena for this geometry, budget and limits (for external storage).
   static std::size_t required_bytes(const geometry& g, const budget& b, const limits& lim) {
-    std::size_t per_sequence = 0;
-    for (int l = 0; l < g.layers; ++l) per_sequence += make_region_plan<Config>(g, b, lim, l).region_bytes;
-    return per_sequence * static_cast<std::size_t>(lim.max_batch);
+    return make_arena_plan(make_region_plans<Config>(g, b, lim), lim).bytes;
   }
 
   const geometry& geo() const { return engine_.geo(); }
@@ -131,7 +129,7 @@ class cache {
     const std::size_t columns = static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim;
     detail::require(hidden > 0, [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
     check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
-    check_input("set_output_projection", "w_o", w_o);
+    check_finite("set_output_projection", "w_o", w_o);
     if constexpr (requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
       engine_.set_output_projection(layer, w_o.data(), hidden);
     } else {
@@ -203,9 +201,9 @@ class cache {
              " tokens exceeds limits::max_tokens = " + std::to_string(engine_.plan().max_tokens);
     });
     if constexpr (!inputs_on_device) {
-      check_input(call, "q", q);
-      check_input(call, "k", k, kv_limit());
-      check_input(call, "v", v, kv_limit());
+      check_input(call, numeric::input::query, q);
+      check_input(call, numeric::input::key, k);
+      check_input(call, numeric::input::value, v);
     }
     engine_.prefill(layer, s, q.data(), static_cast<int>(q.size() / qrow), k.data(), v.data(),
                     out.empty() ? nullptr : out.data(), static_cast<int>(n));
@@ -248,8 +246,8 @@ class cache {
     if constexpr (inputs_on_device) {
       engine_.append_batch(layer, seqs, k.data(), v.data());
     } else {
-      check_input(call, "k", k, kv_limit());
-      check_input(call, "v", v, kv_limit());
+      check_input(call, numeric::input::key, k);
+      check_input(call, numeric::input::value, v);
       for (std::size_t b = 0; b < seqs.size(); ++b)
         engine_.append(layer, seqs[b], k.data() + b * kv_row(), v.data() + b * kv_row());
     }
@@ -276,7 +274,7 @@ class cache {
                     "qevict::cache::attend: per-token observers need the host backend");
       engine_.attend_batch(layer, seqs, q.data(), out.data());
     } else {
-      check_input(call, "q", q);
+      check_input(call, numeric::input::query, q);
       for (std::size_t b = 0; b < seqs.size(); ++b)
         engine_.attend(layer, seqs[b], static_cast<int>(b), q.data() + b * q_row(), out.data() + b * q_row(), observe);
     }
@@ -395,16 +393,23 @@ class cache {
              std::to_string(want);
     });
   }
-  /// Every element of x a number of magnitude at most `limit` (by default: finite).
-  void check_input(const char* call, const char* what, std::span<const float> x,
-                   float limit = numeric::largest_float) const {
+  /// Every element of input x within its limit, numeric::largest_magnitude(in).
+  static void check_input(const char* call, numeric::input in, std::span<const float> x) {
+    const float limit = numeric::largest_magnitude(in);
     for (std::size_t i = 0; i < x.size(); ++i)
       detail::require(numeric::within(x[i], limit), [&] {
-        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] " +
-               numeric::input_problem(x[i], limit, engine_.geo().element) + "; the cache is unchanged";
+        return std::string(call) + ": " + numeric::to_string(in) + "[" + std::to_string(i) + "] " +
+               numeric::input_problem(x[i], in) + "; the cache is unchanged";
       });
   }
-  float kv_limit() const { return numeric::largest_kv_magnitude(engine_.geo().element); }
+  /// Every element of x finite.
+  static void check_finite(const char* call, const char* what, std::span<const float> x) {
+    for (std::size_t i = 0; i < x.size(); ++i)
+      detail::require(numeric::is_finite(x[i]), [&] {
+        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] " + numeric::non_finite_problem(x[i]) +
+               "; the cache is unchanged";
+      });
+  }
 
   engine_type engine_;
 };

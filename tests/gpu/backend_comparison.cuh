@@ -42,6 +42,19 @@ inline bool quick() {
   return q && q[0] == '1';
 }
 
+/// Inputs at their limits (numeric::largest_magnitude) in every other token: with `keys_values`,
+/// the first rotary pair of every KV head's key at ±the key limit (the sign alternating between
+/// such tokens, so that a window's channel spans both) and one value channel at −the value limit,
+/// the queries 1000 times smaller than usual so that the scores stay moderate (the decode outputs'
+/// bound is then 5e-3: run_case says why); with `queries`, one channel of every query head at ±the
+/// query limit. Scores of a query at its limit are so large that float's rounding decides between
+/// near ties, so that case asserts finite outputs and scores, identical routing and identical
+/// arenas, not the error bounds.
+struct input_extremes {
+  bool keys_values = false;
+  bool queries = false;
+};
+
 struct case_spec {
   int head_dim, group, batch;
   qevict::element_type element;
@@ -53,6 +66,7 @@ struct case_spec {
   bool churn = false;
   int items_per_chunk = 0;  ///< the CUDA backend's decode split-K chunk (cuda_settings; 0: its default, per call)
   int max_tokens = 2048;    ///< limits::max_tokens (the table's windows: routing's sort size)
+  input_extremes extremes = {};
 };
 
 /// The CUDA backend's settings with a given decode split-K chunk (the default stream).
@@ -95,6 +109,8 @@ struct twin {
   qevict::cache<Cfg> host;
   qevict::cache<Cfg, qevict::backend::cuda> dev;
   std::mt19937 rng;
+  input_extremes extremes;
+  long long extreme_rows = 0;  ///< rows of each input given so far (every other one at the limits)
 
   static std::byte* aligned(std::vector<std::byte>& v) {
     return reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t{63});
@@ -121,7 +137,38 @@ struct twin {
       const float spread = u(rng);
       for (std::size_t i = 0; i < krow(); ++i) k[r * krow() + i] *= spread;
     }
+    if (extremes.keys_values) {
+      // Channel 0 and its rotary partner.
+      const int partner = g.rope.layout == qevict::rope_layout::rotate_half ? g.head_dim / 2 : 1;
+      const float x = qevict::numeric::largest_magnitude(qevict::numeric::input::key);
+      at_the_limits(k, rows, g.kv_heads,
+                    [&](float* head, long long i) { head[0] = head[partner] = i % 4 == 0 ? x : -x; });
+    }
     return k;
+  }
+  std::vector<float> values(std::size_t rows) {
+    std::vector<float> v = normal(rng, rows * krow());
+    if (extremes.keys_values) {
+      const float x = qevict::numeric::largest_magnitude(qevict::numeric::input::value);
+      at_the_limits(v, rows, g.kv_heads, [&](float* head, long long) { head[1] = -x; });
+    }
+    return v;
+  }
+  std::vector<float> queries(std::size_t rows) {
+    std::vector<float> q = normal(rng, rows * qrow(), extremes.keys_values ? 1.5e-3f : 1.5f);
+    if (extremes.queries) {
+      const float x = qevict::numeric::largest_magnitude(qevict::numeric::input::query);
+      at_the_limits(q, rows, g.q_heads, [&](float* head, long long i) { head[0] = i % 4 == 0 ? -x : x; });
+    }
+    return q;
+  }
+  /// set(head, i) on every head of every other row of x (rows of `heads` heads), i counting the
+  /// rows of all inputs given so far.
+  template <class Set>
+  void at_the_limits(std::vector<float>& x, std::size_t rows, int heads, Set set) {
+    for (std::size_t r = 0; r < rows; ++r, ++extreme_rows)
+      if (extreme_rows % 2 == 0)
+        for (int h = 0; h < heads; ++h) set(&x[(r * heads + h) * g.head_dim], extreme_rows);
   }
 
   qevict::sequence_id add(long long first) {
@@ -134,9 +181,9 @@ struct twin {
   double prefill(qevict::sequence_id s, int n, bool with_out) {
     double worst = 0.0;
     for (int l = 0; l < g.layers; ++l) {
-      const std::vector<float> k = keys(n), v = normal(rng, n * krow());
+      const std::vector<float> k = keys(n), v = values(n);
       const int q_rows = with_out ? n : std::min(n, 1 + static_cast<int>(rng() % 40));
-      const std::vector<float> q = normal(rng, q_rows * qrow(), 1.5f);
+      const std::vector<float> q = queries(q_rows);
       std::vector<float> out_h(with_out ? q.size() : 0);
       host.prefill(l, s, q, k, v, out_h);
       device_buffer<float> dq(q), dk(k), dv(v), dout(std::max<std::size_t>(out_h.size(), 1));
@@ -202,6 +249,7 @@ struct twin {
       den += std::abs(static_cast<double>(hw[i].score));
       if (hw[i].where != qevict::tier::evicted) host.set_score(s, l, hw[i].index, dw[i].score, hw[i].unit);
     }
+    if (!std::isfinite(num) || !std::isfinite(den)) return INFINITY;  // a NaN would pass std::max unseen
     return den > 0.0 ? num / den : 0.0;
   }
 
@@ -294,6 +342,7 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
   qevict::options opt;
   opt.routing = qevict::routing_mode::manual;  // routing every Ω steps by route(), on both sides
   twin<Cfg> t(g, spec.b, lim, opt, seed, spec.items_per_chunk);
+  t.extremes = spec.extremes;
   worst_error e;
   std::uniform_int_distribution<int> len_d(1, spec.max_prompt);
   std::uniform_int_distribution<long long> pos_d(0, 200000);
@@ -322,8 +371,8 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
       seqs.push_back(start(1000 + step));
     }
     for (int l = 0; l < g.layers; ++l) {
-      const std::vector<float> k = t.keys(seqs.size()), v = normal(t.rng, seqs.size() * t.krow());
-      const std::vector<float> q = normal(t.rng, seqs.size() * t.qrow(), 1.5f);
+      const std::vector<float> k = t.keys(seqs.size()), v = t.values(seqs.size());
+      const std::vector<float> q = t.queries(seqs.size());
       std::vector<float> out_h(q.size());
       t.host.append(l, seqs, k, v);
       t.host.attend(l, seqs, q, out_h);
@@ -387,9 +436,19 @@ worst_error run_case(const case_spec& spec, unsigned seed, PolicyCheck&& after_e
                << c.evicted << " evicted; worst output error " << e.out << ", prefill output " << e.prefill_out
                << ", score L1 " << e.score << "; arena bytes differing " << diff << " of " << compared << "; "
                << windows_read << " windows read back identically");
-  CHECK(e.out <= 2e-3);
-  CHECK(e.prefill_out <= 2e-3);
-  CHECK(e.score <= 1e-3);
+  if (spec.extremes.queries) {
+    CHECK(std::isfinite(e.out));  // rel_error is infinite where an output is not finite
+    CHECK(std::isfinite(e.prefill_out));
+    CHECK(std::isfinite(e.score));
+  } else {
+    // With keys and values at their limits, an f16 cache's output products round each probability
+    // times its value scale (about 2^14/3 here) to fp16's 11 bits beside values of order 1, so the
+    // decode outputs' error relative to their norm is larger than with ordinary inputs (2.1e-3 at
+    // worst in the runs of these cases).
+    CHECK(e.out <= (spec.extremes.keys_values ? 5e-3 : 2e-3));
+    CHECK(e.prefill_out <= 2e-3);
+    CHECK(e.score <= 1e-3);
+  }
   CHECK(diff <= compared / 100000);
   return e;
 }

@@ -1,9 +1,9 @@
 // qevict::cache<Config, backend::cuda> against the host backend (the oracle) for the paper's
-// configuration, the two-tier allocator and the two other key frames of the records: outputs, scores, routing tables after every event and
-// the arenas must agree (backend_comparison.cuh says how closely). The decide kernel's sort of up to
-// 1024 candidates is checked alone against a stable sort, on scores that tie. A NaN on the device is reported
-// by the next check() and leaves the cache as it was. Decode steps captured in CUDA graphs give what
-// the same calls give when made directly.
+// configuration, the two-tier allocator and the two other key frames of the records: outputs, scores, routing tables
+// after every event and the arenas must agree (backend_comparison.cuh says how closely). The decide kernel's sort of up
+// to 1024 candidates is checked alone against a stable sort, on scores that tie. A NaN on the device is reported by the
+// next check() and leaves the cache as it was; inputs at their limits still match the host. Decode steps captured in
+// CUDA graphs give what the same calls give when made directly.
 //
 // QEVICT_GPU_QUICK=1 runs a reduced set (for compute-sanitizer).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -23,6 +23,7 @@ namespace {
 using namespace qevict;
 using gpu_test::case_spec;
 using gpu_test::device_buffer;
+using gpu_test::input_extremes;
 using gpu_test::quick;
 using gpu_test::rel_error;
 using gpu_test::run_case;
@@ -167,6 +168,29 @@ TEST_CASE("CUDA backend: records with keys quantized after RoPE") { run_key_fram
 
 TEST_CASE("CUDA backend: records with window-relative keys") { run_key_frame_cases<window_relative>(191, rope_layout::interleaved); }
 
+TEST_CASE("CUDA backend: inputs at their limits, in every key frame of the records") {
+  // numeric::largest_magnitude keeps every fp16 operand of the decode kernel in range (the fp16
+  // keys and queries of an f16 cache, and the fp16 path of INT2 keys stored after RoPE or
+  // window-relative in every element type): at the limits the CUDA backend still matches the host.
+  const element_type bf = element_type::bf16, f16 = element_type::f16;
+  unsigned seed = 401;
+  for (const input_extremes x : {input_extremes{.keys_values = true}, input_extremes{.queries = true}}) {
+    std::vector<case_spec> cases = {
+        {128, 4, 7, bf, budget::fraction(0.20), 500, 128, 1, rope_layout::rotate_half, false, 0, 2048, x},
+        {64, 8, 7, f16, budget::fraction(0.05), 300, 128, 1, rope_layout::interleaved, false, 0, 2048, x},
+    };
+    if (quick())
+      cases = {{64, 4, 3, f16, budget::fraction(0.10), 200, 24, 1, rope_layout::rotate_half, false, 0, 2048, x}};
+    for (const case_spec& c : cases) {
+      CAPTURE(x.keys_values);
+      CAPTURE(c.head_dim);
+      run_case<paper>(c, seed++);
+      run_case<post_rope>(c, seed++);
+      run_case<window_relative>(c, seed++);
+    }
+  }
+}
+
 /// scan_input on one block, the form the attend prologue and the append kernel use.
 __global__ void scan_on_one_block(const float* x, std::size_t n, float limit, kernels::device_error* e) {
   kernels::detail::scan_input(x, n, limit, e, 2, 0);
@@ -247,9 +271,9 @@ TEST_CASE("CUDA backend: a NaN on the device is reported and changes nothing") {
     CHECK_MESSAGE(m.find("append: v[" + std::to_string(kn - 3) + "] is NaN") != std::string::npos, m);
   }
   CHECK(t.dev.tokens(seqs[0], 0) == tokens_before);
-  // A finite key too large for the cache's element type (numeric::largest_kv_magnitude), the same.
+  // A finite key beyond its limit (numeric::largest_magnitude), the same.
   std::vector<float> big_k = k;
-  big_k[7] = -2 * numeric::largest_kv_magnitude(g.element);
+  big_k[7] = -2 * numeric::largest_magnitude(numeric::input::key);
   dev_step(big_k, v, q);
   try {
     t.dev.check();

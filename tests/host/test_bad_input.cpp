@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <qevict/cache.hpp>
+#include <qevict/presets.hpp>
 
 #include "support/reference.hpp"
 
@@ -158,6 +159,31 @@ TEST_CASE("construction: budget too small, external storage too small or misalig
                "budget::bytes_per_sequence_layer(18446744073709551615): at most 281474976710656 bytes (2^48)");
   const cache_t huge(geo, qevict::budget::bytes_per_sequence_layer(qevict::budget::largest_bytes), lim);
   CHECK(huge.plan().budget_bytes == qevict::budget::largest_bytes);
+  // A fraction of a cache too large to plan: 2^28 KV heads of 512 f32 channels, 2^30 tokens.
+  qevict::geometry wide{
+      .layers = 1, .q_heads = 1 << 28, .kv_heads = 1 << 28, .head_dim = 512, .element = qevict::element_type::f32};
+  expect_error(
+      [&] {
+        (void)cache_t::required_bytes(wide, qevict::budget::fraction(1.0), qevict::limits{.max_tokens = 1 << 30});
+      },
+      "budget::fraction(1) comes to 1.181e+21 bytes per sequence in layer 0, more than 2^48");
+  // An arena whose size would wrap around 2^64: a sequence of 64 layers of 2^30 tokens (4 KiB a
+  // token, a budget of 2^42 bytes a layer) takes 1.57e14 bytes, and 2^17 of them 2.06e19, which
+  // wrapped around to 2.14e18 before the check.
+  const qevict::geometry llama{
+      .layers = 64, .q_heads = 32, .kv_heads = 8, .head_dim = 128, .element = qevict::element_type::bf16};
+  const std::size_t one = cache_t::required_bytes(llama, qevict::budget::fraction(1.0),
+                                                  qevict::limits{.max_batch = 1, .max_tokens = 1 << 30});
+  CHECK(one == 157082423656448u);
+  expect_error(
+      [&] {
+        (void)cache_t::required_bytes(llama, qevict::budget::fraction(1.0),
+                                      qevict::limits{.max_batch = 1 << 17, .max_tokens = 1 << 30});
+      },
+      "limits: an arena of max_batch = 131072 sequences of 157082423656448 bytes each would exceed 2^62 bytes");
+  // Just under the bound it is planned (2^14 such sequences: about 2^61 bytes).
+  CHECK(cache_t::required_bytes(llama, qevict::budget::fraction(1.0),
+                                qevict::limits{.max_batch = 1 << 14, .max_tokens = 1 << 30}) == one << 14);
   cache_t kv(geo, tight, lim);
   const long long last = std::numeric_limits<long long>::max() - lim.max_tokens;
   expect_error([&] { kv.add_sequence(last + 1); }, "add_sequence: first_position 9223372036854775728 leaves no room for limits::max_tokens = 80 positions");
@@ -192,64 +218,92 @@ TEST_CASE("prefill: shapes, non-finite values, non-empty sequence, max_tokens") 
   t.check_unchanged();
 }
 
-TEST_CASE("append and prefill: finite keys and values too large for the cache's element type") {
-  // An f32 cache refuses keys and values beyond a quarter of float's range, and the cache is as
-  // before; queries need only be finite.
+TEST_CASE("append, attend and prefill: finite inputs beyond their limits") {
+  // Keys and values beyond ±2^14 and queries beyond ±2^17 (numeric::largest_magnitude) are
+  // refused, whatever the element type (this cache's is f32), and the cache is as before.
   twin t;
-  const float limit = qevict::numeric::largest_kv_magnitude(geo.element);
-  CHECK(limit == std::numeric_limits<float>::max() / 4);
+  using qevict::numeric::input;
+  CHECK(qevict::numeric::largest_magnitude(input::key) == 16384.0f);
   auto k = t.r.normals(2 * krow), v = t.r.normals(2 * krow), q = t.r.normals(2 * qrow);
-  auto big_k = k, big_v = v;
-  big_k[krow + 3] = 3e38f;
-  big_v[5] = -1e38f;
-  expect_error([&] { t.a.append(0, t.ids, big_k, v); }, "append: k[19] = 3e+38 is beyond ±8.50706e+37, the largest "
-                                                         "magnitude of a key or value that a cache of f32 elements accepts");
-  expect_error([&] { t.a.append(1, t.ids, k, big_v); }, "append: v[5] = -1e+38 is beyond ±8.50706e+37");
+  std::vector<float> out(2 * qrow);
+  auto big_k = k, big_v = v, big_q = q;
+  big_k[krow + 3] = 3e4f;
+  big_v[5] = -16384.5f;
+  big_q[qrow + 2] = 2e5f;
+  expect_error([&] { t.a.append(0, t.ids, big_k, v); },
+               "append: k[19] = 30000 is beyond ±16384, the largest magnitude the cache accepts in a key or value");
+  expect_error([&] { t.a.append(1, t.ids, k, big_v); }, "append: v[5] = -16384.5 is beyond ±16384");
+  t.a.append(0, t.ids, k, v);  // the attend needs this step's token, in both caches
+  t.b.append(0, t.ids, k, v);
+  expect_error([&] { t.a.attend(0, t.ids, big_q, out); },
+               "attend: q[34] = 200000 is beyond ±131072, the largest magnitude the cache accepts in a query");
+  std::vector<float> oa(2 * qrow), ob(2 * qrow);
+  t.a.attend(0, t.ids, q, oa);
+  t.b.attend(0, t.ids, q, ob);
+  CHECK(oa == ob);
+  for (int l = 1; l < geo.layers; ++l) {  // the rest of the step
+    t.a.append(l, t.ids, k, v);
+    t.b.append(l, t.ids, k, v);
+    t.a.attend(l, t.ids, q, oa);
+    t.b.attend(l, t.ids, q, ob);
+  }
   const qevict::sequence_id fresh = t.add_fresh();
   const int n = 4;
   auto pq = t.r.normals(n * qrow), pk = t.r.normals(n * krow), pv = t.r.normals(n * krow);
-  pv[n * krow - 1] = 2 * limit;
-  std::vector<float> out(n * qrow);
-  expect_error([&] { t.a.prefill(0, fresh, pq, pk, pv, out); }, "prefill: v[63] = ");
+  std::vector<float> pout(n * qrow);
+  auto big_pv = pv, big_pq = pq;
+  big_pv[n * krow - 1] = 32768.0f;
+  big_pq[0] = -1e6f;
+  expect_error([&] { t.a.prefill(0, fresh, pq, pk, big_pv, pout); }, "prefill: v[63] = 32768 is beyond ±16384");
+  expect_error([&] { t.a.prefill(0, fresh, big_pq, pk, pv, pout); }, "prefill: q[0] = -1e+06 is beyond ±131072");
   t.remove_fresh(fresh);
   t.check_unchanged();
 }
 
-TEST_CASE("an f16 cache: keys and values at its limit stay finite through rotation, quantization and routing") {
-  // f16 holds ±65504: a key of 1e5, finite as a float, would be stored as an infinity and make
-  // every later output NaN, so it is refused. Half the range is accepted: RoPE grows a key pair by
-  // at most √2, and the quantizers' ranges are formed in float.
-  qevict::geometry g16 = geo;
-  g16.element = qevict::element_type::f16;
-  const float limit = qevict::numeric::largest_kv_magnitude(g16.element);
-  CHECK(limit == 32752.0f);
-  cache_t kv(g16, qevict::budget::fraction(0.5), qevict::limits{.max_batch = 1, .max_tokens = 256});
-  const qevict::sequence_id s = kv.add_sequence();
+namespace {
+/// 120 decode steps of one sequence whose every other token holds the limits: one key pair at
+/// ±2^14 (signs alternating between tokens, so that a window's channel spans both), one value
+/// channel at −2^14, and one query channel at ±2^17. Every output and window score stays finite,
+/// through RoPE, quantization (quantized windows exist) and routing.
+template <class Config>
+void run_at_the_limits(qevict::element_type element) {
+  using qevict::numeric::input;
+  qevict::geometry g = geo;
+  g.element = element;
+  CAPTURE(qevict::to_string(element));
+  CAPTURE(Config::quantizer::name);
+  const float kv = qevict::numeric::largest_magnitude(input::key),
+              qmax = qevict::numeric::largest_magnitude(input::query);
+  qevict::cache<Config> kv_cache(g, qevict::budget::fraction(0.5), qevict::limits{.max_batch = 1, .max_tokens = 256});
+  const qevict::sequence_id s = kv_cache.add_sequence();
   rng r{7};
-  auto k = r.normals(krow), v = r.normals(krow), q = r.normals(qrow);
   std::vector<float> out(qrow);
-  auto too_big = k;
-  too_big[0] = 1e5f;
-  expect_error([&] { kv.append(0, std::span(&s, 1), too_big, v); },
-               "append: k[0] = 100000 is beyond ±32752, the largest magnitude of a key or value that a cache of f16 elements accepts");
-  CHECK(kv.tokens(s, 0) == 0);
   for (int step = 0; step < 120; ++step) {
-    k = r.normals(krow), v = r.normals(krow), q = r.normals(qrow);
-    // Every other token holds the extremes in one key pair and one value channel.
+    auto k = r.normals(krow), v = r.normals(krow), q = r.normals(qrow);
     if (step % 2 == 0) {
-      k[0] = limit, k[4] = -limit;  // rotate_half pairs channel 0 with channel head_dim / 2
-      v[1] = -limit;
+      const float sign = step % 4 == 0 ? 1.0f : -1.0f;
+      k[0] = sign * kv, k[4] = sign * kv;  // rotate_half pairs channel 0 with channel head_dim / 2
+      v[1] = -kv;
+      q[0] = -sign * qmax;
     }
-    for (int l = 0; l < geo.layers; ++l) {
-      kv.append(l, std::span(&s, 1), k, v);
-      kv.attend(l, std::span(&s, 1), q, out);
+    for (int l = 0; l < g.layers; ++l) {
+      kv_cache.append(l, std::span(&s, 1), k, v);
+      kv_cache.attend(l, std::span(&s, 1), q, out);
       for (float x : out) REQUIRE(std::isfinite(x));
     }
   }
-  const qevict::tier_counts c = kv.counts(s, 0);
-  CHECK(c.quantized > 0);  // the extremes went through the quantizer
-  for (int l = 0; l < geo.layers; ++l)
-    for (const auto& w : kv.windows(s, l)) CHECK(std::isfinite(w.score));
+  CHECK(kv_cache.counts(s, 0).quantized > 0);  // the extremes went through the quantizer
+  for (int l = 0; l < g.layers; ++l)
+    for (const auto& w : kv_cache.windows(s, l)) CHECK(std::isfinite(w.score));
+}
+}  // namespace
+
+TEST_CASE("inputs at their limits stay finite, in every element type and key frame") {
+  for (qevict::element_type e : {qevict::element_type::f16, qevict::element_type::bf16, qevict::element_type::f32}) {
+    run_at_the_limits<cfg>(e);
+    run_at_the_limits<qevict::presets::qevict_post_rope::config_type>(e);
+    run_at_the_limits<qevict::presets::qevict_window_relative::config_type>(e);
+  }
 }
 
 TEST_CASE("append and attend: shapes, positions, non-finite values, ids, layers") {

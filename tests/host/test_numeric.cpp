@@ -1,14 +1,16 @@
 // bf16 and f16 element storage: conversions against hand-computed bit patterns (round to nearest
-// even, subnormals, overflow to infinity, NaN and infinity), and a round trip through the cache's
-// element storage.
+// even, subnormals, overflow to infinity, NaN and infinity), a round trip through the cache's
+// element storage, and the input limits against the fp16 operands they keep in range.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include <qevict/core/numeric.hpp>
+#include <qevict/policies/quantizers.hpp>
 
 using namespace qevict::numeric;
 
@@ -106,34 +108,58 @@ TEST_CASE("load/store by element type, and is_finite") {
   CHECK(!is_finite(nan_value));
 }
 
-TEST_CASE("input limits: within, and the largest key or value magnitude of each element type") {
-  using qevict::element_type;
-  const float inf = std::numeric_limits<float>::infinity(), nan_value = std::numeric_limits<float>::quiet_NaN();
-  CHECK(within(2.0f, 2.0f));
-  CHECK(within(-2.0f, 2.0f));
-  CHECK(!within(2.5f, 2.0f));
-  CHECK(!within(nan_value, 2.0f));
+TEST_CASE("input limits: within, and the largest magnitude of each input") {
+  // within: one comparison of |x|'s bits with the limit's, against the plain comparisons.
+  const float next_above_limit = std::nextafter(2.0f, 3.0f);
+  for (float x :
+       {0.0f, -0.0f, 1.0f, -1.5f, 2.0f, -2.0f, next_above_limit, -next_above_limit, 1e-45f, -1e-45f, 1e30f, -1e30f,
+        std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(), inf, -inf, nan_value, -nan_value}) {
+    CAPTURE(x);
+    for (float limit : {0.0f, 2.0f, 16384.0f, largest_float})
+      CHECK(within(x, limit) == (x == x && std::fabs(x) <= limit));
+  }
   CHECK(within(std::numeric_limits<float>::max(), largest_float));  // largest_float as the limit: finite
   CHECK(!within(-inf, largest_float));
-  // At each type's limit, a key pair rotated to its largest (both members at the limit, rotated by
-  // 45 degrees: √2 times one) and a quantizer's range (max − min, in float) stay finite where they
-  // are stored.
-  for (element_type e : {element_type::f16, element_type::bf16, element_type::f32}) {
-    CAPTURE(qevict::to_string(e));
-    const float limit = largest_kv_magnitude(e);
-    const float rotated = static_cast<float>(std::sqrt(2.0) * limit);
-    const float range = limit - (-limit);
-    CHECK(std::isfinite(range));
-    CHECK(std::isfinite(rotated - (-rotated)));
-    if (e == element_type::f16) {
-      CHECK(f16_to_float(float_to_f16(rotated)) <= 65504.0f);
-      CHECK(f16_to_float(float_to_f16(range / 3)) <= 65504.0f);  // an INT2 scale stored as f16
-    } else {
-      CHECK(is_finite(bf16_to_float(float_to_bf16(rotated))));
-    }
+  CHECK(largest_magnitude(input::query) == 131072.0f);
+  CHECK(largest_magnitude(input::key) == 16384.0f);
+  CHECK(largest_magnitude(input::value) == 16384.0f);
+  CHECK(std::string(to_string(input::query)) == "q");
+  CHECK(std::string(to_string(input::value)) == "v");
+
+  // The fp16 operands of the CUDA decode kernel at these limits (numeric.hpp gives the figures).
+  constexpr float fp16_max = 65504.0f;
+  const auto fits_fp16 = [&](float x) { return std::fabs(f16_to_float(float_to_f16(x))) <= fp16_max; };
+  const float kv = largest_magnitude(input::key), q = largest_magnitude(input::query);
+  // A key pair (kv, kv) rotated by 45 degrees: one member sqrt(2) * kv, stored in any element type.
+  const float rotated = static_cast<float>(std::sqrt(2.0) * kv);
+  CHECK(fits_fp16(rotated));
+  CHECK(std::isfinite(bf16_to_float(float_to_bf16(rotated))));
+  // The INT2 record of a channel spanning +-rotated, as the quantizer stores it (bf16 scale and
+  // zero): the zero, and the kernel's operand of 4 x scale, fit fp16.
+  std::uint16_t scale = 0, zero = 0;
+  qevict::quantizers::asymmetric<2>::choose_scale_zero(-rotated, rotated, scale, zero);
+  CHECK(bf16_to_float(zero) == -23296.0f);
+  CHECK(bf16_to_float(scale) == 15552.0f);
+  CHECK(fits_fp16(4 * bf16_to_float(scale)));
+  CHECK(fits_fp16(bf16_to_float(zero)));
+  // An INT2 value scale rides on a probability of at most 1: the scale of +-kv fits fp16.
+  qevict::quantizers::asymmetric<2>::choose_scale_zero(-kv, kv, scale, zero);
+  CHECK(fits_fp16(bf16_to_float(scale)));
+  // The query scaled by log2(e)/sqrt(head_dim) and rotated, at head_dim 64 and 128 (the CUDA
+  // kernels' head sizes): its largest member fits fp16.
+  for (int d : {64, 128}) {
+    const double scaled = 1.4426950408889634 / std::sqrt(static_cast<double>(d)) * std::sqrt(2.0) * q;
+    CAPTURE(d);
+    CHECK(fits_fp16(static_cast<float>(scaled)));
   }
-  CHECK(input_problem(nan_value, 1.0f, element_type::bf16) == "is NaN");
-  CHECK(input_problem(-inf, 1.0f, element_type::bf16) == "is infinite");
-  CHECK(input_problem(70000.0f, 32752.0f, element_type::f16) ==
-        "= 70000 is beyond ±32752, the largest magnitude of a key or value that a cache of f16 elements accepts");
+  // A score at head_dim 512 (the largest) with every channel at the limits, rotated: finite.
+  CHECK(std::isfinite(512.0f * (std::sqrt(2.0f) * q) * rotated));
+
+  CHECK(input_problem(nan_value, input::key) == "is NaN");
+  CHECK(input_problem(-inf, input::query) == "is infinite");
+  CHECK(input_problem(70000.0f, input::value) ==
+        "= 70000 is beyond ±16384, the largest magnitude the cache accepts in a key or value");
+  CHECK(input_problem(-2e5f, input::query) ==
+        "= -200000 is beyond ±131072, the largest magnitude the cache accepts in a query");
+  CHECK(non_finite_problem(inf) == "is infinite");
 }

@@ -47,6 +47,9 @@ struct limits {
   int max_tokens = 4096;
   /// The most tokens a sequence may hold (token counts and window indices are ints).
   static constexpr int largest_max_tokens = 1 << 30;
+  /// The largest arena (max_batch sequences of every layer's region) a cache plans, 2^62 bytes:
+  /// far beyond any memory, and every byte offset into it stays a valid size_t and ptrdiff_t.
+  static constexpr std::size_t largest_arena_bytes = std::size_t{1} << 62;
 };
 
 /// The byte budget of one sequence in one layer.

@@ -3,10 +3,12 @@
 // window table, Full pool and quantized pool (the ledger), and where each lives in the region.
 // Every size here is exact and every term is reported; both backends use this one plan.
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
+#include <vector>
 
 #include "qevict/config.hpp"
 #include "qevict/core/geometry.hpp"
@@ -187,7 +189,17 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
     case budget::kind::fraction: {
       const double f = b.fraction_value();
       detail::require(f > 0.0 && f <= 1.0, "budget::fraction(" + std::to_string(f) + "): the fraction must be in (0, 1]");
-      p.budget_bytes = static_cast<std::size_t>(share * f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes));
+      const double bytes = share * f * static_cast<double>(lim.max_tokens) * static_cast<double>(p.token_bytes);
+      // The bound of bytes_per_sequence_layer, checked before the conversion (beyond size_t's
+      // range it would be undefined).
+      detail::require(bytes <= static_cast<double>(budget::largest_bytes), [&] {
+        char text[160];
+        std::snprintf(text, sizeof text,
+                      "budget::fraction(%g) comes to %.4g bytes per sequence in layer %d, more than 2^48", f, bytes,
+                      layer);
+        return std::string(text);
+      });
+      p.budget_bytes = static_cast<std::size_t>(bytes);
       break;
     }
     case budget::kind::bytes:
@@ -254,6 +266,48 @@ region_plan make_region_plan(const geometry& g, const budget& b, const limits& l
   p.region_bytes = padded16(p.ledger_end());
   detail::require(p.region_bytes <= p.budget_bytes, "internal: region plan exceeds its budget");
   return p;
+}
+
+/// Where every (sequence slot, layer) region lies in one arena: slot after slot, each slot holding
+/// every layer's region in layer order (each its own size with budget::with_layer_shares).
+struct arena_plan {
+  std::vector<std::size_t> layer_offset;  ///< of each layer's region within a slot
+  std::size_t sequence_stride = 0;        ///< bytes of one slot: every layer's region
+  std::size_t bytes = 0;                  ///< the arena: max_batch slots
+
+  std::size_t region_offset(int slot, int layer) const {
+    return static_cast<std::size_t>(slot) * sequence_stride + layer_offset[static_cast<std::size_t>(layer)];
+  }
+};
+
+/// The arena of the layers' region plans for `lim.max_batch` slots; refuses one beyond
+/// limits::largest_arena_bytes, which is checked as the sum grows, so that no size wraps around.
+inline arena_plan make_arena_plan(const std::vector<region_plan>& plans, const limits& lim) {
+  arena_plan a;
+  const std::size_t most = limits::largest_arena_bytes;
+  auto too_large = [&](const std::string& what) { return "limits: " + what + " would exceed 2^62 bytes"; };
+  for (const region_plan& p : plans) {
+    // Each region is at most budget::largest_bytes (2^48), so the sum cannot wrap before the check.
+    a.layer_offset.push_back(a.sequence_stride);
+    a.sequence_stride += p.region_bytes;
+    detail::require(a.sequence_stride <= most, [&] {
+      return too_large("the regions of one sequence's " + std::to_string(plans.size()) + " layers");
+    });
+  }
+  detail::require(a.sequence_stride <= most / static_cast<std::size_t>(lim.max_batch), [&] {
+    return too_large("an arena of max_batch = " + std::to_string(lim.max_batch) + " sequences of " +
+                     std::to_string(a.sequence_stride) + " bytes each");
+  });
+  a.bytes = a.sequence_stride * static_cast<std::size_t>(lim.max_batch);
+  return a;
+}
+
+/// The region plan of every layer (never empty: layer 0's plan checks that there are layers).
+template <class Config>
+std::vector<region_plan> make_region_plans(const geometry& g, const budget& b, const limits& lim) {
+  std::vector<region_plan> plans{make_region_plan<Config>(g, b, lim, 0)};
+  for (int l = 1; l < g.layers; ++l) plans.push_back(make_region_plan<Config>(g, b, lim, l));
+  return plans;
 }
 
 }  // namespace qevict

@@ -104,27 +104,48 @@ QEVICT_HOST_DEVICE bool is_finite(float v) { return (float_bits(v) & 0x7f800000u
 /// The largest finite float.
 inline constexpr float largest_float = 3.40282347e+38f;
 
-/// Whether x is a number of magnitude at most `limit`: false for NaN, and with `largest_float` as
-/// the limit, whether x is finite.
-QEVICT_HOST_DEVICE constexpr bool within(float x, float limit) { return x <= limit && x >= -limit; }
+/// Whether x is a number of magnitude at most `limit` (a finite limit >= 0): false for NaN, and
+/// with `largest_float` as the limit, whether x is finite. One integer comparison: for such limits,
+/// |x| <= limit exactly where the bits of |x| (the sign cleared) are at most the limit's, and the
+/// bits of an infinity or a NaN exceed those of every finite float.
+QEVICT_HOST_DEVICE bool within(float x, float limit) { return (float_bits(x) & 0x7fffffffu) <= float_bits(limit); }
 
-/// The largest magnitude of a key or value that a cache of element type e accepts. Finite is not
-/// enough: RoPE grows a key pair by up to √2 and a quantizer forms max − min in float, so an input
-/// near the type's limit would be stored as an infinity, or quantized with one, and poison every
-/// later step. Half of f16's range (f16 caches) and a quarter of float's (bf16 and f32 caches) keep
-/// every rotated key, stored element and quantizer range finite.
-QEVICT_HOST_DEVICE constexpr float largest_kv_magnitude(element_type e) {
-  return e == element_type::f16 ? 32752.0f : largest_float / 4;
+/// The inputs the cache checks element by element (the order of the CUDA backend's error record).
+enum class input : int { query, key, value };
+
+/// The argument name of an input in the cache's calls and errors: "q", "k" or "v".
+QEVICT_HOST_DEVICE constexpr const char* to_string(input x) {
+  return x == input::query ? "q" : x == input::key ? "k" : "v";
 }
 
-/// What is wrong with an input element x that fails within(x, limit), in the words of both
-/// backends' errors: "is NaN", "is infinite" or "= x is beyond ±limit, ...".
-inline std::string input_problem(float x, float limit, element_type e) {
-  if (x != x) return "is NaN";
-  if (!is_finite(x)) return "is infinite";
+/// The largest magnitude of an element of each input that the cache accepts, whatever its element
+/// type, on both backends: 2^17 for queries, 2^14 for keys and values. Finite is not enough. An
+/// input near float's or the element type's limit would overflow where the cache stores or rotates
+/// it, and the CUDA decode kernel takes some of its tensor-core operands in fp16 (every 16-bit
+/// operand of an f16 cache; the query and the keys of INT2 records stored after RoPE or
+/// window-relative, whatever the element type), which is exact only within fp16's ±65504. At these
+/// limits:
+///   - a key rotated by RoPE is at most √2 · 2^14 = 23171 (stored, and as an fp16 operand);
+///   - an INT2 key record of a channel spanning ±23171 has the zero −23296 and the scale 15552
+///     (stored as bf16, the zero rounded down and the scale up), and the kernel's fp16 operand of
+///     4 × scale is at most 62208;
+///   - a query scaled by log2(e)/√64 (head_dim 64, the largest factor of the CUDA kernels) and
+///     rotated is at most 1.4427 / 8 · √2 · 2^17 = 33428;
+///   - a score is at most head_dim · √2 · 2^17 · √2 · 2^14 = 2^41 at head_dim 512, and a
+///     quantizer's range at most 46341, far from float's limit.
+QEVICT_HOST_DEVICE constexpr float largest_magnitude(input x) { return x == input::query ? 131072.0f : 16384.0f; }
+
+/// What is wrong with a float that is NaN or infinite: "is NaN" or "is infinite".
+inline std::string non_finite_problem(float x) { return x != x ? "is NaN" : "is infinite"; }
+
+/// What is wrong with an element x of input `in` that fails within(x, largest_magnitude(in)), in
+/// the words of both backends' errors: "is NaN", "is infinite" or "= x is beyond ±limit, ...".
+inline std::string input_problem(float x, input in) {
+  if (!is_finite(x)) return non_finite_problem(x);
   char text[128];
-  std::snprintf(text, sizeof text, "= %g is beyond ±%g, the largest magnitude of a key or value that a cache of %s elements accepts",
-                static_cast<double>(x), static_cast<double>(limit), to_string(e));
+  std::snprintf(text, sizeof text, "= %g is beyond ±%g, the largest magnitude the cache accepts in %s",
+                static_cast<double>(x), static_cast<double>(largest_magnitude(in)),
+                in == input::query ? "a query" : "a key or value");
   return text;
 }
 

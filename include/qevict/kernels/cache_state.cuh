@@ -1,8 +1,8 @@
 #pragma once
 // Device state of the CUDA backend and the small kernels of a decode step: the input check
-// (finite, and for keys and values within numeric::largest_kv_magnitude; reported through a
-// device error flag), append (RoPE, store into the sinks or the recent ring) and the attend
-// prologue (batch lanes, the lane states the decode kernel sees).
+// (every element within numeric::largest_magnitude of its input; reported through a device
+// error flag), append (RoPE, store into the sinks or the recent ring) and the attend prologue
+// (batch lanes, the lane states the decode kernel sees).
 //
 // Error flag. Inputs live on the device, so the host cannot scan them without a sync. Each call
 // scans its inputs first; a bad value sets the flag, and every later kernel that changes
@@ -24,7 +24,7 @@ namespace qevict::kernels {
 struct device_error {
   int code = 0;         ///< 1: NaN, 2: infinite, 3: finite but beyond the input's limit
   int call = 0;         ///< 1: append, 2: attend, 3: prefill
-  int input = 0;        ///< 0: q, 1: k, 2: v
+  int input = 0;        ///< numeric::input: 0 q, 1 k, 2 v
   float value = 0.f;    ///< the element found
   long long index = 0;  ///< element index in that input
 };
@@ -141,11 +141,11 @@ __device__ __forceinline__ bool all_within(const T* p, std::size_t loads, std::s
 
 /// Scans x[0, n) with threads `first`, `first + stride`, ... (of a block or a grid), each taking
 /// every stride-th 16-byte piece (every stride-th element where x is not 16-byte aligned); the
-/// first value found that is not a number of magnitude at most `limit` (largest_float for the
-/// queries: finite; numeric::largest_kv_magnitude for keys and values) sets the flag. A loop that
-/// stopped at the first bad value could not issue a load before it had tested the last one, one
-/// round trip to memory per element a thread reads; all_within keeps several in flight. Only a
-/// thread that found a bad value looks again, element by element, to record one.
+/// first value found that is not a number of magnitude at most `limit` (numeric::largest_magnitude
+/// of the input) sets the flag. A loop that stopped at the first bad value could not issue a load
+/// before it had tested the last one, one round trip to memory per element a thread reads;
+/// all_within keeps several in flight. Only a thread that found a bad value looks again, element
+/// by element, to record one.
 __device__ inline void scan_input(const float* x, std::size_t n, std::size_t first, std::size_t stride, float limit,
                                   device_error* e, int call, int input) {
   const bool pieces = reinterpret_cast<std::uintptr_t>(x) % 16 == 0;
@@ -211,9 +211,9 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
   const std::size_t row = static_cast<std::size_t>(H) * D;
-  const float limit = numeric::largest_kv_magnitude(P.element);
-  scan_input(k, list.n * row, limit, S.error, 1, 1);
-  scan_input(v, list.n * row, limit, S.error, 1, 2);
+  using numeric::input;
+  scan_input(k, list.n * row, numeric::largest_magnitude(input::key), S.error, 1, static_cast<int>(input::key));
+  scan_input(v, list.n * row, numeric::largest_magnitude(input::value), S.error, 1, static_cast<int>(input::value));
   __syncthreads();
   if (failed(S.error)) return;
   const int b = blockIdx.x;
@@ -253,7 +253,8 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
 /// kernel reads (empty lanes after a bad input, so that nothing changes), counts the step.
 __global__ void __launch_bounds__(1024) attend_prologue_kernel(const cache_params P, const cache_pointers S,
                                                                const lane_list list, const float* q) {
-  scan_input(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim, numeric::largest_float, S.error, 2, 0);
+  scan_input(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim,
+             numeric::largest_magnitude(numeric::input::query), S.error, 2, static_cast<int>(numeric::input::query));
   __syncthreads();
   const bool bad = failed(S.error);
   for (int b = threadIdx.x; b < list.n; b += blockDim.x) {

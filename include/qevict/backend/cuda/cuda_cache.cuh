@@ -7,8 +7,8 @@
 // Inputs (q, k, v, out) are device pointers, row-major float as documented in cache.hpp. The host
 // keeps mirrors of each lane's token count, aged windows and steps since routing (all follow from
 // the calls alone), so shapes, capacities and the routing schedule are decided without a sync.
-// Inputs are checked on the device as on the host (finite; keys and values within
-// numeric::largest_kv_magnitude; kernels/cache_state.cuh): a bad input freezes the cache and
+// Inputs are checked on the device as on the host (each element within numeric::largest_magnitude
+// of its input; kernels/cache_state.cuh): a bad input freezes the cache and
 // the next synchronizing call — check(), report(), windows(), counts(), read_window(),
 // ledger_record() — throws qevict::error naming it; the cache is then as it was before that call.
 //
@@ -109,8 +109,14 @@ class cuda_cache {
  public:
   cuda_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte* external,
              std::size_t external_bytes, const cuda_settings& set = {})
-      : geo_(g), lim_(lim), opt_(opt), set_(set), plan_(make_region_plan<Config>(g, b, lim, 0)), sequences_(lim.max_batch) {
-    for (int l = 0; l < g.layers; ++l) plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
+      : geo_(g),
+        lim_(lim),
+        opt_(opt),
+        set_(set),
+        plans_(make_region_plans<Config>(g, b, lim)),
+        plan_(plans_.front()),
+        arena_(make_arena_plan(plans_, lim)),
+        sequences_(lim.max_batch) {
     detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
     detail::require(g.element == element_type::bf16 || g.element == element_type::f16,
                     "backend::cuda: the element type must be bf16 or f16");
@@ -128,12 +134,9 @@ class cuda_cache {
                              std::to_string(set.items_per_chunk);
                     });
     lanes_total_ = static_cast<std::size_t>(lim.max_batch) * g.layers;
-    // Regions as the host backend lays them out: sequence-major, then layer; with a budget per layer
-    // (budget::with_layer_shares) each layer's region has its own size, and its own cache_params.
-    for (const region_plan& p : plans_) {
-      layer_offset_.push_back(sequence_stride_);
-      sequence_stride_ += p.region_bytes;
-    }
+    // Regions as the host backend lays them out (arena_plan): sequence-major, then layer; with a
+    // budget per layer (budget::with_layer_shares) each layer's region has its own size, and its own
+    // cache_params.
     // Per-lane arrays (window lists, free-slot stacks) have one stride for all layers: the largest.
     std::vector<kernels::decode_layout> layouts;
     int list_capacity = 0, full_stride = 0, ledger_stride = 0;
@@ -153,8 +156,8 @@ class cuda_cache {
       kernels::cache_params P;
       P.L = layouts[static_cast<std::size_t>(l)];
       P.L.layers = g.layers;
-      P.L.sequence_stride = sequence_stride_;
-      P.L.layer_offset = layer_offset_[static_cast<std::size_t>(l)];
+      P.L.sequence_stride = arena_.sequence_stride;
+      P.L.layer_offset = arena_.layer_offset[static_cast<std::size_t>(l)];
       P.L.set_list_capacity(list_capacity);
       detail::require((P.L.region_bytes | P.L.sink_offset | P.L.recent_offset | P.L.full_offset | P.L.ledger_offset) % 16 == 0,
                       "backend::cuda: regions are not 16-byte aligned; choose limits::max_tokens so that "
@@ -242,7 +245,7 @@ class cuda_cache {
   const limits& lim() const { return lim_; }
   const options& opts() const { return opt_; }
   const cuda_settings& settings() const { return set_; }
-  std::size_t required_bytes() const { return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch); }
+  std::size_t required_bytes() const { return arena_.bytes; }
   /// Device memory allocated at construction, by part.
   device_memory device_bytes() const { return memory_; }
   /// Device pointer of the arena: the region of (sequence s, layer l) at s * (the sum of the layers'
@@ -278,10 +281,9 @@ class cuda_cache {
     const kernels::cache_params& P = params(layer);
     const long long p0 = first_position(s);
     const int q0 = n - q_rows;
-    const float kv_limit = numeric::largest_kv_magnitude(geo_.element);
-    launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, numeric::largest_float, 3, 0);
-    launch_scan(k, static_cast<std::size_t>(n) * krow, kv_limit, 3, 1);
-    launch_scan(v, static_cast<std::size_t>(n) * krow, kv_limit, 3, 2);
+    launch_scan(q, static_cast<std::size_t>(q_rows) * qrow, numeric::input::query, 3);
+    launch_scan(k, static_cast<std::size_t>(n) * krow, numeric::input::key, 3);
+    launch_scan(v, static_cast<std::size_t>(n) * krow, numeric::input::value, 3);
     const int first_observer = std::max(q0, n - opt_.observation_window);
     const int observers = n - first_observer;
     const int started = windows_started(n);
@@ -405,11 +407,11 @@ class cuda_cache {
     for (std::size_t i = 0; i < lanes_total_; ++i) mirrors_[i] = mirror{lanes[i].tokens, lanes[i].aged, extra[i].steps};
     QEVICT_CUDA_CHECK(cudaMemset(S_.error, 0, sizeof(kernels::device_error)));
     const char* calls[] = {"?", "append", "attend", "prefill"};
-    const char* inputs[] = {"q", "k", "v"};
-    const float limit = e.input == 0 ? numeric::largest_float : numeric::largest_kv_magnitude(geo_.element);
-    throw error(std::string(calls[e.call & 3]) + ": " + inputs[e.input % 3] + "[" + std::to_string(e.index) + "] " +
-                numeric::input_problem(e.value, limit, geo_.element) +
-                " (found on the device); that call and every later change were skipped, the cache is as it was before it");
+    const auto in = static_cast<numeric::input>(e.input % 3);
+    throw error(
+        std::string(calls[e.call & 3]) + ": " + numeric::to_string(in) + "[" + std::to_string(e.index) + "] " +
+        numeric::input_problem(e.value, in) +
+        " (found on the device); that call and every later change were skipped, the cache is as it was before it");
   }
 
   // ---- introspection (synchronizing) ----------------------------------------------------------
@@ -607,7 +609,7 @@ class cuda_cache {
   const kernels::cache_params& params(int layer) const { return params_[static_cast<std::size_t>(layer)]; }
   /// The region of (s, layer) in the arena (the host backend's layout).
   std::byte* region_of(sequence_id s, int layer) const {
-    return S_.arena + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(layer)];
+    return S_.arena + arena_.region_offset(static_cast<int>(s), layer);
   }
   mirror& mirror_of(sequence_id s, int layer) { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
   const mirror& mirror_of(sequence_id s, int layer) const { return mirrors_[static_cast<std::size_t>(lane_index(s, layer))]; }
@@ -622,10 +624,11 @@ class cuda_cache {
     return first_position(s) + plan_.sinks + static_cast<long long>(w) * plan_.window;
   }
 
-  void launch_scan(const float* x, std::size_t n, float limit, int call, int input) {
+  void launch_scan(const float* x, std::size_t n, numeric::input in, int call) {
     if (n == 0) return;
     const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>(1024, (n + 255) / 256));
-    kernels::detail::scan_input_kernel<<<blocks, 256, 0, set_.stream>>>(x, n, limit, S_.error, call, input);
+    kernels::detail::scan_input_kernel<<<blocks, 256, 0, set_.stream>>>(x, n, numeric::largest_magnitude(in), S_.error,
+                                                                        call, static_cast<int>(in));
     QEVICT_CUDA_CHECK_LAUNCH("scan_input_kernel");
   }
 
@@ -687,12 +690,11 @@ class cuda_cache {
   limits lim_;
   options opt_;
   cuda_settings set_;
-  region_plan plan_;
   std::vector<region_plan> plans_;
+  region_plan plan_;
+  arena_plan arena_;  ///< where each (sequence, layer) region lies in the arena
   std::size_t lanes_total_ = 0;
   std::vector<kernels::cache_params> params_;  ///< one per layer
-  std::vector<std::size_t> layer_offset_;      ///< of each layer's region in a sequence's bytes
-  std::size_t sequence_stride_ = 0;
   kernels::cache_pointers S_{};
   std::vector<device_allocation> allocations_;  ///< every cudaMalloc of the constructor (freed with the cache)
   kernels::decode_workspace workspace_;  // the decode kernel's, in one block

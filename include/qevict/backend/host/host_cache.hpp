@@ -87,8 +87,7 @@ class host_cache {
       arena = owned_.data();
     }
     for (int s = 0; s < lim.max_batch; ++s)
-      for (int l = 0; l < g.layers; ++l)
-        regions_.push_back(arena + static_cast<std::size_t>(s) * sequence_stride_ + layer_offset_[static_cast<std::size_t>(l)]);
+      for (int l = 0; l < g.layers; ++l) regions_.push_back(arena + arena_.region_offset(s, l));
     initialise();
   }
 
@@ -113,13 +112,15 @@ class host_cache {
   struct no_arena {};
   /// Plans only: the regions come later. Layers share everything but their budget
   /// (budget::with_layer_shares): each gets its own capacities and region size.
-  host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte*, std::size_t, no_arena)
-      : geo_(g), lim_(lim), opt_(opt), plan_(make_region_plan<Config>(g, b, lim, 0)), sequences_(lim.max_batch) {
-    for (int l = 0; l < g.layers; ++l) {
-      plans_.push_back(l == 0 ? plan_ : make_region_plan<Config>(g, b, lim, l));
-      layer_offset_.push_back(sequence_stride_);
-      sequence_stride_ += plans_.back().region_bytes;
-    }
+  host_cache(const geometry& g, const budget& b, const limits& lim, const options& opt, std::byte*, std::size_t,
+             no_arena)
+      : geo_(g),
+        lim_(lim),
+        opt_(opt),
+        plans_(make_region_plans<Config>(g, b, lim)),
+        plan_(plans_.front()),
+        arena_(make_arena_plan(plans_, lim)),
+        sequences_(lim.max_batch) {
     detail::require(opt.observation_window >= 1, "options: observation_window must be >= 1");
   }
 
@@ -168,9 +169,7 @@ class host_cache {
   const geometry& geo() const { return geo_; }
   const limits& lim() const { return lim_; }
   const options& opts() const { return opt_; }
-  std::size_t required_bytes() const {
-    return sequence_stride_ * static_cast<std::size_t>(lim_.max_batch);
-  }
+  std::size_t required_bytes() const { return arena_.bytes; }
 
   // ---- sequences ---------------------------------------------------------------------------
   sequence_id add_sequence(long long first_position) {
@@ -816,10 +815,9 @@ class host_cache {
   geometry geo_;
   limits lim_;
   options opt_;
-  region_plan plan_;  ///< layer 0's plan; every field but the budget-derived ones holds for all layers
   std::vector<region_plan> plans_;
-  std::vector<std::size_t> layer_offset_;
-  std::size_t sequence_stride_ = 0;
+  region_plan plan_;  ///< layer 0's plan; every field but the budget-derived ones holds for all layers
+  arena_plan arena_;
   std::vector<double> inv_freq_;
   std::vector<std::byte> owned_;
   std::vector<std::byte*> regions_;  ///< one per (sequence slot, layer)
