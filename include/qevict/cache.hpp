@@ -393,22 +393,24 @@ class cache {
              std::to_string(want);
     });
   }
-  /// Every element of input x within its limit, numeric::largest_magnitude(in).
-  static void check_input(const char* call, numeric::input in, std::span<const float> x) {
-    const float limit = numeric::largest_magnitude(in);
+  /// Every element of x within `limit`; `problem(v)` words what is wrong with one that is not.
+  template <class Problem>
+  static void check_elements(const char* call, const char* what, std::span<const float> x, float limit,
+                             Problem&& problem) {
     for (std::size_t i = 0; i < x.size(); ++i)
       detail::require(numeric::within(x[i], limit), [&] {
-        return std::string(call) + ": " + numeric::to_string(in) + "[" + std::to_string(i) + "] " +
-               numeric::input_problem(x[i], in) + "; the cache is unchanged";
+        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] " + problem(x[i]) +
+               "; the cache is unchanged";
       });
+  }
+  /// Every element of input x within its limit, numeric::largest_magnitude(in).
+  static void check_input(const char* call, numeric::input in, std::span<const float> x) {
+    check_elements(call, numeric::to_string(in), x, numeric::largest_magnitude(in),
+                   [in](float v) { return numeric::input_problem(v, in); });
   }
   /// Every element of x finite.
   static void check_finite(const char* call, const char* what, std::span<const float> x) {
-    for (std::size_t i = 0; i < x.size(); ++i)
-      detail::require(numeric::is_finite(x[i]), [&] {
-        return std::string(call) + ": " + what + "[" + std::to_string(i) + "] " + numeric::non_finite_problem(x[i]) +
-               "; the cache is unchanged";
-      });
+    check_elements(call, what, x, numeric::largest_float, numeric::non_finite_problem);
   }
 
   engine_type engine_;

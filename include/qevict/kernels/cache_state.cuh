@@ -168,6 +168,12 @@ __device__ inline void scan_input(const float* x, std::size_t n, float limit, de
   scan_input(x, n, threadIdx.x, blockDim.x, limit, e, call, input);
 }
 
+/// scan_input on one block against the limit of input `in` (numeric::largest_magnitude), which the
+/// error record names.
+__device__ inline void scan_input(const float* x, std::size_t n, numeric::input in, device_error* e, int call) {
+  scan_input(x, n, numeric::largest_magnitude(in), e, call, static_cast<int>(in));
+}
+
 /// Multi-block version for large inputs (prefill).
 __global__ void scan_input_kernel(const float* x, std::size_t n, float limit, device_error* e, int call, int input) {
   scan_input(x, n, blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x,
@@ -211,9 +217,8 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
   const decode_layout& L = P.L;
   const int D = L.head_dim, H = L.kv_heads;
   const std::size_t row = static_cast<std::size_t>(H) * D;
-  using numeric::input;
-  scan_input(k, list.n * row, numeric::largest_magnitude(input::key), S.error, 1, static_cast<int>(input::key));
-  scan_input(v, list.n * row, numeric::largest_magnitude(input::value), S.error, 1, static_cast<int>(input::value));
+  scan_input(k, list.n * row, numeric::input::key, S.error, 1);
+  scan_input(v, list.n * row, numeric::input::value, S.error, 1);
   __syncthreads();
   if (failed(S.error)) return;
   const int b = blockIdx.x;
@@ -253,8 +258,7 @@ __global__ void __launch_bounds__(512) append_kernel(const cache_params P, const
 /// kernel reads (empty lanes after a bad input, so that nothing changes), counts the step.
 __global__ void __launch_bounds__(1024) attend_prologue_kernel(const cache_params P, const cache_pointers S,
                                                                const lane_list list, const float* q) {
-  scan_input(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim,
-             numeric::largest_magnitude(numeric::input::query), S.error, 2, static_cast<int>(numeric::input::query));
+  scan_input(q, static_cast<std::size_t>(list.n) * P.q_heads * P.L.head_dim, numeric::input::query, S.error, 2);
   __syncthreads();
   const bool bad = failed(S.error);
   for (int b = threadIdx.x; b < list.n; b += blockDim.x) {
