@@ -17,7 +17,9 @@
 // the cache is exactly as it was.
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <limits>
 #include <span>
 #include <string>
@@ -130,6 +132,7 @@ class cache {
     detail::require(hidden > 0, [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
     check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
     check_finite("set_output_projection", "w_o", w_o);
+    check_projection_norms(w_o, hidden);
     if constexpr (requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
       engine_.set_output_projection(layer, w_o.data(), hidden);
     } else {
@@ -411,6 +414,35 @@ class cache {
   /// Every element of x finite.
   static void check_finite(const char* call, const char* what, std::span<const float> x) {
     check_elements(call, what, x, numeric::largest_float, numeric::non_finite_problem);
+  }
+
+  /// Each query head's slice W_o^(h) small enough that no value within its limit gets a weight
+  /// ‖W_o^(h) v‖ beyond numeric::largest_token_weight: ‖W_o^(h) v‖ <= ‖W_o^(h)‖_F · ‖v‖, and ‖v‖
+  /// is at most √head_dim · largest_magnitude(value). Finite elements alone can still overflow the
+  /// float scores (an element of 1e37 weighs a value of 2^14 by more than float's largest).
+  void check_projection_norms(std::span<const float> w_o, int hidden) const {
+    const int d = engine_.geo().head_dim, hq = engine_.geo().q_heads;
+    const std::size_t columns = static_cast<std::size_t>(hq) * d;
+    const double largest_value_norm =
+        std::sqrt(static_cast<double>(d)) * numeric::largest_magnitude(numeric::input::value);
+    for (int h = 0; h < hq; ++h) {
+      double squares = 0.0;  // fewer than 2^64 squares, each below 2^256: finite in double
+      for (int r = 0; r < hidden; ++r)
+        for (int c = 0; c < d; ++c) {
+          const double x = w_o[static_cast<std::size_t>(r) * columns + static_cast<std::size_t>(h) * d + c];
+          squares += x * x;
+        }
+      const double norm = std::sqrt(squares), weight = norm * largest_value_norm;
+      detail::require(weight <= numeric::largest_token_weight, [&] {
+        char text[320];
+        std::snprintf(text, sizeof text,
+                      "set_output_projection: query head %d's slice of w_o has Frobenius norm %.4g, so a value within "
+                      "±%.0f could be weighed by up to %.4g, beyond 2^64, the largest token weight the window scores "
+                      "take; the cache is unchanged",
+                      h, norm, static_cast<double>(numeric::largest_magnitude(numeric::input::value)), weight);
+        return std::string(text);
+      });
+    }
   }
 
   engine_type engine_;

@@ -717,6 +717,54 @@ TEST_CASE("criticalkv with the output projection W_o: each query head weighs att
   CHECK_THROWS_WITH_AS(plain.set_output_projection(0, w_o, hidden), doctest::Contains("does not weigh values"), qevict::error);
 }
 
+TEST_CASE("criticalkv: a W_o that could weigh a token beyond 2^64 is refused; one within gives finite, exact scores") {
+  // Finite elements are not enough: with values of 2^14, an element of 1e37 would weigh a token by
+  // about 1.6e41, beyond float's largest, and the window scores would overflow. The check bounds
+  // ‖W_o^(h) v‖ <= ‖W_o^(h)‖_F · √d · 2^14 <= 2^64, so with d = 8 a query head's slice may have a
+  // Frobenius norm up to 2^64 / (√8 · 2^14) = 2^48.5.
+  const qevict::geometry g = small_geometry(1, 4, 2, 8);
+  const qevict::limits lim{.max_batch = 1, .max_tokens = 256};
+  const int n = 120, d = 8, hkv = 2, hq = 4, hidden = 12, obs = 32;
+  const plan_terms t = terms_of<presets::criticalkv>(g, lim);
+  const qevict::budget b = qevict::budget::bytes_per_sequence_layer(t.fixed() + 20 * (t.token / 2));
+  // W_o with one element per query head, at row h, channel h: ‖W_o^(h) v‖ = |element| · |v[h]|.
+  auto single = [&](float element) {
+    std::vector<float> w(static_cast<std::size_t>(hidden) * hq * d, 0.0f);
+    for (int h = 0; h < hq; ++h) w[static_cast<std::size_t>(h) * hq * d + h * d + h] = element;
+    return w;
+  };
+  qevict::cache<presets::criticalkv> kv(g, b, lim);
+  kv.set_output_projection(0, single(0x1p48f), hidden);  // 2^48 <= 2^48.5: accepted
+  CHECK_THROWS_WITH_AS(
+      kv.set_output_projection(0, single(0x1p49f), hidden),
+      doctest::Contains("set_output_projection: query head 0's slice of w_o has Frobenius norm 5.629e+14, so a "
+                        "value within ±16384 could be weighed by up to 2.609e+19, beyond 2^64"),
+      qevict::error);
+  std::vector<float> huge = single(1.0f);
+  huge[static_cast<std::size_t>(5) * hq * d + 2 * d + 3] = 1e37f;  // row 5, query head 2, channel 3
+  CHECK_THROWS_WITH_AS(kv.set_output_projection(0, huge, hidden),
+                       doctest::Contains("query head 2's slice of w_o has Frobenius norm 1e+37"), qevict::error);
+
+  // The refusals left the accepted W_o in place: with zero keys (uniform attention) and every value
+  // at its limit 2^14, every token weighs 2^48 · 2^14 = 2^62 for every query head, so a window's
+  // mass is the sum over observation queries i >= j of 2^62 / (i + 1), max-pooled over 7.
+  prompt p{std::vector<float>(static_cast<std::size_t>(n) * hq * d, 0.0f),
+           std::vector<float>(static_cast<std::size_t>(n) * hkv * d, 0.0f),
+           std::vector<float>(static_cast<std::size_t>(n) * hkv * d, 16384.0f)};
+  const qevict::sequence_id s = prefill_prompt(kv, p);
+  std::vector<double> mass(n, 0.0);
+  for (int i = n - obs; i < n; ++i)
+    for (int j = 0; j <= i; ++j) mass[static_cast<std::size_t>(j)] += 0x1p62 / (i + 1);
+  const std::vector<double> expected = max_pool(mass, 7);
+  int checked = 0;
+  for (const qevict::window_info& w : kv.windows(s, 0)) {
+    CHECK(std::isfinite(w.score));
+    CHECK(w.score == doctest::Approx(expected[static_cast<std::size_t>(w.index)]).epsilon(1e-5));
+    ++checked;
+  }
+  CHECK(checked == hkv * n);  // one window per token and KV head
+}
+
 TEST_CASE("defensivekv takes the maximum over observation queries: one spike beats a steady larger sum") {
   // Token 30 is found by one observation query only (channel 2), with almost all of its
   // attention; token 60 takes about a tenth of every other observation query's attention (channel 3).

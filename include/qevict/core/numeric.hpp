@@ -135,6 +135,13 @@ QEVICT_HOST_DEVICE constexpr const char* to_string(input x) {
 ///     quantizer's range at most 46341, far from float's limit.
 QEVICT_HOST_DEVICE constexpr float largest_magnitude(input x) { return x == input::query ? 131072.0f : 16384.0f; }
 
+/// The largest weight a value-weighted scorer may give one token per unit of probability,
+/// ‖W_o^(h) v‖ (cache::set_output_projection): 2^64. A window's score adds at most one such weight
+/// a decode step (a query head's probabilities sum to 1, and a unit averages its query heads) and
+/// at most one per observation query at prefill, over fewer than 2^31 tokens each, so it stays
+/// below 2^96, far within float's 2^128.
+inline constexpr double largest_token_weight = 18446744073709551616.0;  // 2^64
+
 /// What is wrong with a float that is NaN or infinite: "is NaN" or "is infinite".
 inline std::string non_finite_problem(float x) { return x != x ? "is NaN" : "is infinite"; }
 
