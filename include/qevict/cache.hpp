@@ -128,15 +128,17 @@ class cache {
       return std::string("set_output_projection: the scorer ") + Config::scorer::name +
              " does not weigh values (only value-weighted scorers, e.g. presets::criticalkv, use W_o)";
     });
-    const std::size_t columns = static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim;
-    detail::require(hidden > 0, [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
-    check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
-    check_finite("set_output_projection", "w_o", w_o);
-    check_projection_norms(w_o, hidden);
-    if constexpr (requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
-      engine_.set_output_projection(layer, w_o.data(), hidden);
-    } else {
+    if constexpr (!requires { engine_.set_output_projection(layer, w_o.data(), hidden); }) {
+      // Refused before w_o is read: no W_o could be used.
       detail::require(false, [&] { return std::string("set_output_projection: not supported by backend::") + Backend::name; });
+    } else {
+      const std::size_t columns = static_cast<std::size_t>(engine_.geo().q_heads) * engine_.geo().head_dim;
+      detail::require(hidden > 0,
+                      [&] { return "set_output_projection: hidden must be positive, got " + std::to_string(hidden); });
+      check_size("set_output_projection", "w_o", w_o.size(), static_cast<std::size_t>(hidden) * columns);
+      check_finite("set_output_projection", "w_o", w_o);
+      check_projection_norms(w_o, hidden);
+      engine_.set_output_projection(layer, w_o.data(), hidden);
     }
   }
 
