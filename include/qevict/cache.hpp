@@ -425,8 +425,8 @@ class cache {
   void check_projection_norms(std::span<const float> w_o, int hidden) const {
     const int d = engine_.geo().head_dim, hq = engine_.geo().q_heads;
     const std::size_t columns = static_cast<std::size_t>(hq) * d;
-    const double largest_value_norm =
-        std::sqrt(static_cast<double>(d)) * numeric::largest_magnitude(numeric::input::value);
+    const double value_limit = numeric::largest_magnitude(numeric::input::value);
+    const double largest_value_norm = std::sqrt(static_cast<double>(d)) * value_limit;
     for (int h = 0; h < hq; ++h) {
       double squares = 0.0;  // fewer than 2^64 squares, each below 2^256: finite in double
       for (int r = 0; r < hidden; ++r)
@@ -439,9 +439,9 @@ class cache {
         char text[320];
         std::snprintf(text, sizeof text,
                       "set_output_projection: query head %d's slice of w_o has Frobenius norm %.4g, so a value within "
-                      "±%.0f could be weighed by up to %.4g, beyond 2^64, the largest token weight the window scores "
+                      "±%.0f could be weighed by up to %.4g, beyond 2^%.0f, the largest token weight the window scores "
                       "take; the cache is unchanged",
-                      h, norm, static_cast<double>(numeric::largest_magnitude(numeric::input::value)), weight);
+                      h, norm, value_limit, weight, std::log2(numeric::largest_token_weight));
         return std::string(text);
       });
     }
