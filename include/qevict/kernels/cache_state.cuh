@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "qevict/core/layout.hpp"
-#include "qevict/kernels/decode_attention.cuh"
+#include "qevict/kernels/decode/layout.cuh"
 #include "qevict/kernels/rope.cuh"
 
 namespace qevict::kernels {

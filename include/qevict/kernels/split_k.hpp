@@ -6,7 +6,7 @@
 //   const int chunk = qevict::kernels::decode_chunk(batch, kv_heads, max_items, resident_ctas, max_chunks,
 //                                                   qevict::kernels::max_items_per_chunk(window));
 //
-// An item is 8 tokens (kernels/decode_attention.cuh); a CTA serves one chunk of one
+// An item is 8 tokens (kernels/decode/items.cuh); a CTA serves one chunk of one
 // (sequence, KV head), and the last CTA of a (sequence, KV head) to finish merges its chunks.
 
 #include <algorithm>
