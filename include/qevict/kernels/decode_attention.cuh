@@ -81,6 +81,8 @@
 
 #include "qevict/kernels/check.cuh"
 #include "qevict/kernels/decode/attention_kernel.cuh"
+#include "qevict/kernels/decode/common.cuh"
+#include "qevict/kernels/decode/items.cuh"
 #include "qevict/kernels/decode/layout.cuh"
 #include "qevict/kernels/decode/mass_kernel.cuh"
 #include "qevict/kernels/decode/queries.cuh"
